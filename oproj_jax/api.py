@@ -1,0 +1,176 @@
+"""The public entry point: argument checks (in this one place), the backend registry, "auto".
+
+Every backend module exposes the same three names:
+
+  consumer(mailbox, prefix, blocks, norm, query, out_norm, *,
+           eps, out_eps, has_delta, groups, xmoe_replicas) -> ConsumerResult
+  unavailable_reason(platform: str) -> str | None    # None: it runs on that platform
+  unsupported_reason(dims: Dims, **options) -> str | None  # None: it handles that shape
+
+`consumer` here checks the arguments once, then calls the chosen backend with arrays that
+are known to be well formed. Naming a backend that cannot run raises; nothing falls back.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import numbers
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MAX_BLOCKS = 8
+MAX_GROUPS = 4
+
+# Name -> module. Order matters for "auto": the first kernel that runs and handles the shape.
+_BACKENDS = {
+    "cute": "oproj_jax.cute.backend",
+    "pallas": "oproj_jax.pallas.consumer",
+    "reference": "oproj_jax.reference",
+}
+_KERNELS = ("cute", "pallas")
+
+
+class ConsumerResult(NamedTuple):
+    prefix: jax.Array  # [T, H] bf16: the updated partial-block residual (written back)
+    output: jax.Array  # [T, H] bf16: the normalized input of the next sub-layer
+    xmoe: jax.Array | None  # [reps, T, H] bf16, -0.0 written as +0.0; None when reps == 0
+
+
+class Dims(NamedTuple):
+    R: int  # ranks (mailbox slots)
+    T: int  # tokens
+    NB: int  # completed blocks
+    H: int  # hidden size
+
+
+def _check_array(name: str, x: Any, ndim: int, layout: str) -> tuple[int, ...]:
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name}: expected a bf16 array of shape {layout}, got {type(x).__name__}")
+    if jnp.dtype(x.dtype) != jnp.bfloat16:
+        raise TypeError(f"{name}: expected dtype bfloat16 (shape {layout}), got {x.dtype}")
+    if len(x.shape) != ndim:
+        raise ValueError(f"{name}: expected rank {ndim} ({layout}), got shape {tuple(x.shape)}")
+    return tuple(int(d) for d in x.shape)
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        span = f"{lo} <= {name} <= {hi}" if hi is not None else f"{name} >= {lo}"
+        raise ValueError(f"{name}: expected {span}, got {value}")
+    return int(value)
+
+
+def _check_eps(name: str, value: Any) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a Python float (a static epsilon), got {type(value).__name__}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name}: expected a finite epsilon >= 0, got {value}")
+    return float(value)
+
+
+def check_arguments(
+    mailbox, prefix, blocks, norm, query, out_norm, *, eps, out_eps, has_delta, groups, xmoe_replicas
+) -> Dims:
+    """Checks dtypes, ranks, shapes and options; returns the dimensions. Raises TypeError/ValueError."""
+    R, T, H = _check_array("mailbox", mailbox, 3, "[R, T, H]")
+    if R < 1 or T < 1 or H < 1:
+        raise ValueError(f"mailbox: expected R, T, H >= 1, got shape {(R, T, H)}")
+    prefix_shape = _check_array("prefix", prefix, 2, "[T, H]")
+    if prefix_shape != (T, H):
+        raise ValueError(f"prefix: expected shape [T, H] = {(T, H)} (from mailbox), got {prefix_shape}")
+    bT, NB, bH = _check_array("blocks", blocks, 3, "[T, NB, H]")
+    if (bT, bH) != (T, H):
+        raise ValueError(f"blocks: expected shape [T, NB, H] with T={T}, H={H}, got {(bT, NB, bH)}")
+    if NB > MAX_BLOCKS:
+        raise ValueError(f"blocks: expected at most {MAX_BLOCKS} completed blocks (NB), got NB={NB}")
+    for name, w in (("norm", norm), ("query", query), ("out_norm", out_norm)):
+        (wH,) = _check_array(name, w, 1, "[H]")
+        if wH != H:
+            raise ValueError(f"{name}: expected shape [H] = ({H},) (from mailbox), got ({wH},)")
+    _check_eps("eps", eps)
+    _check_eps("out_eps", out_eps)
+    if not isinstance(has_delta, (bool, np.bool_)):
+        raise TypeError(f"has_delta: expected a bool, got {type(has_delta).__name__}")
+    _check_int("groups", groups, 1, MAX_GROUPS)
+    _check_int("xmoe_replicas", xmoe_replicas, 0)
+    return Dims(R, T, NB, H)
+
+
+def _module(name: str):
+    if name not in _BACKENDS:
+        raise ValueError(f"backend: expected one of {sorted(_BACKENDS) + ['auto']}, got {name!r}")
+    return importlib.import_module(_BACKENDS[name])
+
+
+def _unavailable(name: str, platform: str) -> str | None:
+    """None if backend `name` runs on `platform`, else why not (a failed import included)."""
+    try:
+        module = _module(name)
+    except ImportError as err:
+        return f"cannot import {_BACKENDS[name]}: {err}"
+    return module.unavailable_reason(platform)
+
+
+def _platform(*arrays) -> str:
+    """The platform the arrays live on; under tracing, the default backend's."""
+    for x in arrays:
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+            return next(iter(x.devices())).platform
+    return jax.default_backend()
+
+
+def available_backends(platform: str | None = None) -> dict[str, str | None]:
+    """Backend name -> None if it runs on `platform` (default: JAX's default), else why not."""
+    platform = platform or jax.default_backend()
+    return {name: _unavailable(name, platform) for name in _BACKENDS}
+
+
+def resolve_backend(backend: str, platform: str, dims: Dims, **options) -> str:
+    """The backend that will run: `backend` itself if it can, else a ValueError saying why."""
+    if backend == "auto":
+        if platform in ("gpu", "cuda"):
+            for name in _KERNELS:
+                if _unavailable(name, platform) is None and _module(name).unsupported_reason(dims, **options) is None:
+                    return name
+        return "reference"  # CPU, or no kernel handles this shape
+    _module(backend)  # an unknown name raises here
+    reason = _unavailable(backend, platform)
+    if reason is None:
+        reason = _module(backend).unsupported_reason(dims, **options)
+    if reason is not None:
+        raise ValueError(f"backend={backend!r} cannot run here: {reason}")
+    return backend
+
+
+def consumer(
+    mailbox,  # [R, T, H] bf16: slot r holds rank r's partial o-projection
+    prefix,  # [T, H] bf16: the running partial-block residual
+    blocks,  # [T, NB, H] bf16: completed block representations, 0 <= NB <= 8
+    norm,  # [H] bf16: AttnRes key RMSNorm weight
+    query,  # [H] bf16: AttnRes pseudo-query
+    out_norm,  # [H] bf16: RMSNorm weight of the next sub-layer's input
+    *,
+    eps: float = 1e-6,
+    out_eps: float = 1e-6,
+    has_delta: bool = True,
+    groups: int = 4,
+    xmoe_replicas: int = 0,
+    backend: str = "auto",
+) -> ConsumerResult:
+    """The O-projection all-reduce consumer (SPEC.md): rank sum, prefix update, AttnRes, RMSNorm.
+
+    `groups` fixes the f32 summation order of the rank slots (and so the prefix bits);
+    `backend` is "auto", "reference", "pallas" or "cute".
+    """
+    options = dict(eps=eps, out_eps=out_eps, has_delta=bool(has_delta), groups=groups, xmoe_replicas=xmoe_replicas)
+    dims = check_arguments(mailbox, prefix, blocks, norm, query, out_norm, **options)
+    if not isinstance(backend, str):
+        raise TypeError(f"backend: expected a str, got {type(backend).__name__}")
+    name = resolve_backend(backend, _platform(mailbox, prefix, blocks), dims, **options)
+    return _module(name).consumer(mailbox, prefix, blocks, norm, query, out_norm, **options)
