@@ -50,7 +50,11 @@ class Dims(NamedTuple):
 def _check_array(name: str, x: Any, ndim: int, layout: str) -> tuple[int, ...]:
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"{name}: expected a bf16 array of shape {layout}, got {type(x).__name__}")
-    if jnp.dtype(x.dtype) != jnp.bfloat16:
+    try:
+        dtype = jnp.dtype(x.dtype)
+    except TypeError:
+        dtype = None
+    if dtype != jnp.bfloat16:
         raise TypeError(f"{name}: expected dtype bfloat16 (shape {layout}), got {x.dtype}")
     if len(x.shape) != ndim:
         raise ValueError(f"{name}: expected rank {ndim} ({layout}), got shape {tuple(x.shape)}")
@@ -168,8 +172,10 @@ def consumer(
     `groups` fixes the f32 summation order of the rank slots (and so the prefix bits);
     `backend` is "auto", "reference", "pallas" or "cute".
     """
-    options = dict(eps=eps, out_eps=out_eps, has_delta=bool(has_delta), groups=groups, xmoe_replicas=xmoe_replicas)
+    options = dict(eps=eps, out_eps=out_eps, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas)
     dims = check_arguments(mailbox, prefix, blocks, norm, query, out_norm, **options)
+    options = dict(eps=float(eps), out_eps=float(out_eps), has_delta=bool(has_delta), groups=int(groups),
+                   xmoe_replicas=int(xmoe_replicas))  # plain Python scalars: static for every backend
     if not isinstance(backend, str):
         raise TypeError(f"backend: expected a str, got {type(backend).__name__}")
     name = resolve_backend(backend, _platform(mailbox, prefix, blocks), dims, **options)

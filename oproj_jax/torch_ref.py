@@ -1,0 +1,161 @@
+"""The op in PyTorch, written from SPEC.md independently of `oproj_jax.reference` (no shared code).
+
+A second opinion for the tests and the benchmark: it runs on CPU and CUDA tensors, uses no JAX,
+and computes the AttnRes mix in the seed kernel's *streaming* form (unnormalized block softmax,
+then one quadratic form for the output RMSNorm with the epsilon scaled by den^2), where the jnp
+reference uses the direct softmax form. The prefix is bit-exact (same rounding points, same
+summation order, explicit left-to-right adds); the output agrees with the reference to f32
+rounding. Inputs are never modified: the updated prefix is returned, not written back.
+
+    from oproj_jax import torch_ref
+    result = torch_ref.consumer(*map(torch_ref.from_numpy, arrays), groups=4)
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, NamedTuple
+
+import numpy as np
+
+MAX_BLOCKS = 8
+MAX_GROUPS = 4
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError as err:
+        raise ImportError(
+            "oproj_jax.torch_ref needs PyTorch, which is not installed: pip install oproj-jax[test]"
+        ) from err
+    return torch
+
+
+class TorchResult(NamedTuple):
+    prefix: Any  # [T, H] bf16 torch.Tensor: the updated partial-block residual
+    output: Any  # [T, H] bf16 torch.Tensor
+    xmoe: Any  # [reps, T, H] bf16 torch.Tensor with -0.0 written as +0.0; None when reps == 0
+
+
+def from_numpy(x):  # numpy (ml_dtypes bf16) or jax [...] -> bf16 torch.Tensor [...] on the CPU, a copy
+    torch = _torch()
+    x = np.asarray(x)
+    if str(x.dtype) != "bfloat16":
+        raise TypeError(f"from_numpy: expected a bfloat16 numpy array, got {x.dtype}")
+    raw = x.copy().view("int16")  # same 16 bits, a dtype torch can import
+    return torch.from_numpy(raw).view(torch.bfloat16)
+
+
+def to_numpy(x):  # bf16 torch.Tensor [...] (any device) -> numpy ml_dtypes bf16 [...]
+    import ml_dtypes
+
+    torch = _torch()
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"to_numpy: expected a bfloat16 tensor, got {x.dtype}")
+    return x.detach().cpu().contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+
+
+def _check(torch, mailbox, prefix, blocks, norm, query, out_norm, groups, xmoe_replicas):
+    named = dict(mailbox=mailbox, prefix=prefix, blocks=blocks, norm=norm, query=query, out_norm=out_norm)
+    for name, x in named.items():
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
+            got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+            raise TypeError(f"{name}: expected a bfloat16 torch.Tensor, got {got}")
+        if x.device != mailbox.device:
+            raise ValueError(f"{name}: expected device {mailbox.device} (from mailbox), got {x.device}")
+    if mailbox.dim() != 3:
+        raise ValueError(f"mailbox: expected shape [R, T, H], got {tuple(mailbox.shape)}")
+    R, T, H = mailbox.shape
+    want = dict(prefix=(T, H), norm=(H,), query=(H,), out_norm=(H,))
+    for name, shape in want.items():
+        if tuple(named[name].shape) != shape:
+            got = tuple(named[name].shape)
+            raise ValueError(f"{name}: expected shape {shape} (from mailbox [R, T, H]), got {got}")
+    if blocks.dim() != 3 or (blocks.shape[0], blocks.shape[2]) != (T, H) or blocks.shape[1] > MAX_BLOCKS:
+        raise ValueError(f"blocks: expected shape [T, NB, H] = ({T}, NB <= {MAX_BLOCKS}, {H}), got {tuple(blocks.shape)}")
+    for name, value, lo, hi in (("groups", groups, 1, MAX_GROUPS), ("xmoe_replicas", xmoe_replicas, 0, None)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+        if value < lo or (hi is not None and value > hi):
+            span = f"{lo} <= {name} <= {hi}" if hi is not None else f"{name} >= {lo}"
+            raise ValueError(f"{name}: expected {span}, got {value}")
+
+
+def _ordered_rank_sum(slots, groups: int):  # R x [T, H] f32 -> [T, H] f32
+    """SPEC order: S = ceil(R / groups) slots per group, each group left to right, then group 0
+    adds group 1, 2, ... in order. Plain tensor adds, so nothing is reassociated."""
+    per_group = (len(slots) + groups - 1) // groups
+    group_totals = []
+    for g in range(groups):
+        mine = slots[g * per_group : (g + 1) * per_group]
+        if not mine:
+            continue  # the seed adds an all-zero sum here; x + 0.0 == x for non -0.0 x
+        total = mine[0]
+        for slot in mine[1:]:
+            total = total + slot
+        group_totals.append(total)
+    result = group_totals[0]
+    for total in group_totals[1:]:
+        result = result + total
+    return result
+
+
+def consumer(
+    mailbox,  # [R, T, H] bf16 torch.Tensor: slot r holds rank r's partial o-projection
+    prefix,  # [T, H] bf16: the running partial-block residual
+    blocks,  # [T, NB, H] bf16: completed blocks, 0 <= NB <= 8
+    norm,  # [H] bf16: AttnRes key RMSNorm weight
+    query,  # [H] bf16: AttnRes pseudo-query
+    out_norm,  # [H] bf16: RMSNorm weight of the next sub-layer's input
+    *,
+    eps: float = 1e-6,
+    out_eps: float = 1e-6,
+    has_delta: bool = True,
+    groups: int = 4,
+    xmoe_replicas: int = 0,
+) -> TorchResult:
+    torch = _torch()
+    _check(torch, mailbox, prefix, blocks, norm, query, out_norm, groups, xmoe_replicas)
+    f32, bf16 = torch.float32, torch.bfloat16
+    H = mailbox.shape[-1]
+
+    def rstd(sum_of_squares, epsilon):
+        return torch.rsqrt(sum_of_squares / H + epsilon)
+
+    # Producers publish -0.0 as +0.0; a float compare catches both zeros.
+    slots = [torch.where(s == 0, torch.zeros_like(s), s).to(f32) for s in mailbox.unbind(0)]
+    reduced = _ordered_rank_sum(slots, groups).to(bf16)  # ROUND: the reduced partials are bf16
+    if has_delta:
+        reduced = (prefix.to(f32) + reduced.to(f32)).to(bf16)  # ROUND: the prefix is bf16
+    new_prefix = reduced  # [T, H] bf16
+    p = new_prefix.to(f32)
+
+    # Dot products are elementwise products and sums, never matmuls: on CUDA a f32 matmul may
+    # run in TF32, which would cost the output about three decimal digits.
+    w = norm.to(f32) * query.to(f32)  # [H]
+    p_sq = (p * p).sum(-1)  # [T]
+    nb = blocks.shape[1]
+    if nb == 0:
+        scaled = p * rstd(p_sq, out_eps)[:, None]
+    else:
+        # Streaming form (the seed's): unnormalized softmax over the blocks, then fold in p.
+        b = blocks.to(f32)  # [T, NB, H]
+        block_logit = (b * w).sum(-1) * rstd((b * b).sum(-1), eps)  # [T, NB]
+        block_max = block_logit.max(dim=-1).values  # [T]
+        e = torch.exp(block_logit - block_max[:, None])  # [T, NB]
+        mix = (e[:, :, None] * b).sum(1)  # [T, H]: sum_b e_b * block_b, unnormalized
+        p_logit = (p * w).sum(-1) * rstd(p_sq, eps)  # [T]
+        top = torch.maximum(block_max, p_logit)
+        alpha, ep = torch.exp(block_max - top), torch.exp(p_logit - top)  # [T]
+        den = alpha * e.sum(-1) + ep  # softmax denominator
+        quad = alpha * alpha * (mix * mix).sum(-1) + 2 * alpha * ep * (mix * p).sum(-1) + ep * ep * p_sq
+        scale = rstd(quad, out_eps * den * den)  # ||y||-normalization; 1/den cancels
+        scaled = (alpha * scale)[:, None] * mix + (ep * scale)[:, None] * p
+    output = (scaled * out_norm.to(f32)).to(bf16)  # ROUND: the output is bf16
+
+    xmoe = None
+    if xmoe_replicas:
+        clean = torch.where(output == 0, torch.zeros_like(output), output)  # -0.0 -> +0.0
+        xmoe = clean.unsqueeze(0).expand(xmoe_replicas, *output.shape).contiguous()
+    return TorchResult(new_prefix, output, xmoe)

@@ -1,0 +1,222 @@
+"""Every public argument check of oproj_jax.consumer: the error type, a message that names the
+argument, what was expected and what was given, and the caller's arrays left untouched."""
+
+from __future__ import annotations
+
+import importlib
+import re
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+import oproj_jax
+from oproj_jax import api, testing
+
+R, T, NB, H = 2, 3, 1, 16  # small and valid; every case below breaks exactly one thing
+bf16 = ml_dtypes.bfloat16
+
+
+def valid_arrays() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    shapes = dict(mailbox=(R, T, H), prefix=(T, H), blocks=(T, NB, H), norm=(H,), query=(H,), out_norm=(H,))
+    return {k: rng.standard_normal(s).astype(bf16) for k, s in shapes.items()}
+
+
+VALID_OPTIONS = dict(eps=1e-6, out_eps=1e-6, has_delta=True, groups=2, xmoe_replicas=1, backend="reference")
+
+
+def call(arrays, **options):
+    return oproj_jax.consumer(*arrays.values(), **dict(VALID_OPTIONS, **options))
+
+
+def reshaped(name, shape):
+    return {name: np.zeros(shape, bf16)}
+
+
+def retyped(name, dtype):
+    return {name: valid_arrays()[name].astype(dtype)}
+
+
+# (id, replaced arrays, replaced options, error, text the message must contain)
+CASES = [
+    # dtypes
+    *(
+        (f"{k}-float32", retyped(k, np.float32), {}, TypeError, [f"{k}:", "bfloat16", "float32"])
+        for k in ("mailbox", "prefix", "blocks", "norm", "query", "out_norm")
+    ),
+    ("prefix-float16", retyped("prefix", np.float16), {}, TypeError, ["prefix:", "bfloat16", "float16"]),
+    ("mailbox-list", {"mailbox": [[[0.0] * H]] * R}, {}, TypeError, ["mailbox:", "[R, T, H]", "list"]),
+    # ranks
+    ("mailbox-rank2", reshaped("mailbox", (T, H)), {}, ValueError, ["mailbox:", "rank 3", f"{(T, H)}"]),
+    ("prefix-rank3", reshaped("prefix", (1, T, H)), {}, ValueError, ["prefix:", "rank 2", f"{(1, T, H)}"]),
+    ("blocks-rank2", reshaped("blocks", (T, H)), {}, ValueError, ["blocks:", "rank 3", "[T, NB, H]"]),
+    ("norm-rank2", reshaped("norm", (1, H)), {}, ValueError, ["norm:", "rank 1", "[H]"]),
+    ("query-rank0", reshaped("query", ()), {}, ValueError, ["query:", "rank 1", "()"]),
+    ("out_norm-rank2", reshaped("out_norm", (H, 1)), {}, ValueError, ["out_norm:", "rank 1", f"{(H, 1)}"]),
+    ("mailbox-no-ranks", reshaped("mailbox", (0, T, H)), {}, ValueError, ["mailbox:", ">= 1", f"{(0, T, H)}"]),
+    # T / H agreement with the mailbox
+    ("prefix-T", reshaped("prefix", (T + 1, H)), {}, ValueError, ["prefix:", f"{(T, H)}", f"{(T + 1, H)}"]),
+    ("prefix-H", reshaped("prefix", (T, H + 8)), {}, ValueError, ["prefix:", f"{(T, H)}", f"{(T, H + 8)}"]),
+    ("blocks-T", reshaped("blocks", (T + 1, NB, H)), {}, ValueError, ["blocks:", f"T={T}", f"{(T + 1, NB, H)}"]),
+    ("blocks-H", reshaped("blocks", (T, NB, H - 8)), {}, ValueError, ["blocks:", f"H={H}", f"{(T, NB, H - 8)}"]),
+    *(
+        (f"{k}-H", reshaped(k, (H * 2,)), {}, ValueError, [f"{k}:", f"({H},)", f"({H * 2},)"])
+        for k in ("norm", "query", "out_norm")
+    ),
+    ("blocks-NB9", reshaped("blocks", (T, 9, H)), {}, ValueError, ["blocks:", "at most 8", "NB=9"]),
+    # groups
+    ("groups-0", {}, dict(groups=0), ValueError, ["groups:", "1 <= groups <= 4", "got 0"]),
+    ("groups-5", {}, dict(groups=5), ValueError, ["groups:", "1 <= groups <= 4", "got 5"]),
+    ("groups-float", {}, dict(groups=2.0), TypeError, ["groups:", "int", "2.0"]),
+    ("groups-str", {}, dict(groups="2"), TypeError, ["groups:", "int", "'2'"]),
+    ("groups-bool", {}, dict(groups=True), TypeError, ["groups:", "int", "True"]),
+    # xmoe_replicas
+    ("xmoe-negative", {}, dict(xmoe_replicas=-1), ValueError, ["xmoe_replicas:", ">= 0", "got -1"]),
+    ("xmoe-float", {}, dict(xmoe_replicas=1.5), TypeError, ["xmoe_replicas:", "int", "1.5"]),
+    # epsilons
+    ("eps-negative", {}, dict(eps=-1e-6), ValueError, ["eps:", ">= 0", "-1e-06"]),
+    ("eps-nan", {}, dict(eps=float("nan")), ValueError, ["eps:", "finite", "nan"]),
+    ("eps-inf", {}, dict(eps=float("inf")), ValueError, ["eps:", "finite", "inf"]),
+    ("eps-str", {}, dict(eps="1e-6"), TypeError, ["eps:", "float", "str"]),
+    ("eps-none", {}, dict(eps=None), TypeError, ["eps:", "float", "NoneType"]),
+    ("eps-bool", {}, dict(eps=True), TypeError, ["eps:", "float", "bool"]),
+    ("out_eps-negative", {}, dict(out_eps=-0.5), ValueError, ["out_eps:", ">= 0", "-0.5"]),
+    ("out_eps-nan", {}, dict(out_eps=float("nan")), ValueError, ["out_eps:", "finite", "nan"]),
+    ("out_eps-str", {}, dict(out_eps="x"), TypeError, ["out_eps:", "float", "str"]),
+    # backend names
+    ("backend-unknown", {}, dict(backend="triton"), ValueError, ["backend:", "'reference'", "'auto'", "'triton'"]),
+    ("backend-not-str", {}, dict(backend=3), TypeError, ["backend:", "str", "int"]),
+]
+
+# has_delta: check_arguments rejects a non-bool, but api.consumer applies bool() to has_delta
+# *before* calling check_arguments, so these never reach the check (reported to the lead).
+HAS_DELTA_CASES = [
+    ("has_delta-int", 1, TypeError, ["has_delta:", "bool", "int"]),
+    ("has_delta-none", None, TypeError, ["has_delta:", "bool", "NoneType"]),
+    ("has_delta-str", "yes", TypeError, ["has_delta:", "bool", "str"]),
+]
+
+
+HAS_DELTA_IDS = [c[0] for c in HAS_DELTA_CASES]
+
+
+def assert_raises_naming(error, texts, fn):
+    with pytest.raises(error) as info:
+        fn()
+    message = str(info.value)
+    assert message.startswith(texts[0]), f"message does not start with {texts[0]!r}: {message!r}"
+    missing = [t for t in texts[1:] if t not in message]
+    assert not missing, f"message lacks {missing}: {message!r}"
+
+
+def snapshot(arrays):  # the caller's numpy arrays, byte for byte
+    return {k: (v.dtype, v.shape, v.tobytes()) for k, v in arrays.items() if isinstance(v, np.ndarray)}
+
+
+def assert_unchanged(arrays, before):
+    assert snapshot(arrays) == before, "the call modified the caller's numpy arrays"
+
+
+@pytest.mark.parametrize(("arrays", "options", "error", "texts"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_argument_is_named(arrays, options, error, texts):
+    arrays = dict(valid_arrays(), **arrays)
+    before = snapshot(arrays)
+    assert_raises_naming(error, texts, lambda: call(arrays, **options))
+    assert_unchanged(arrays, before)
+
+
+def test_valid_arguments_run():
+    """The baseline every case above breaks in one place is itself accepted (else the cases
+    would pass for the wrong reason), and a valid call does not modify the caller's arrays."""
+    arrays = valid_arrays()
+    before = snapshot(arrays)
+    result = call(arrays)
+    assert result.prefix.shape == (T, H) and result.output.shape == (T, H) and result.xmoe.shape == (1, T, H)
+    assert_unchanged(arrays, before)
+
+
+@pytest.mark.parametrize(("value", "error", "texts"), [c[1:] for c in HAS_DELTA_CASES], ids=HAS_DELTA_IDS)
+def test_has_delta_not_bool_check_arguments(value, error, texts):
+    options = dict(VALID_OPTIONS, has_delta=value)
+    del options["backend"]
+    assert_raises_naming(error, texts, lambda: api.check_arguments(*valid_arrays().values(), **options))
+
+
+@pytest.mark.parametrize(("value", "error", "texts"), [c[1:] for c in HAS_DELTA_CASES], ids=HAS_DELTA_IDS)
+def test_has_delta_not_bool_consumer(value, error, texts):
+    arrays = valid_arrays()
+    before = snapshot(arrays)
+    assert_raises_naming(error, texts, lambda: call(arrays, has_delta=value))
+    assert_unchanged(arrays, before)
+
+
+def kernel_module(name: str):
+    """The backend's module, or a skip when its file is not written yet (another issue's work)."""
+    path = api._BACKENDS[name]
+    try:
+        return importlib.import_module(path)
+    except ModuleNotFoundError as err:
+        if err.name and path.startswith(err.name):
+            pytest.skip(f"{path} does not exist yet")
+        raise
+
+
+@pytest.mark.parametrize("name", ["cute", "pallas"])
+def test_kernel_backend_that_cannot_run_raises(name):
+    """Naming a kernel that cannot run here (platform, or this small shape) raises ValueError
+    with its reason; it never falls back to another backend."""
+    module = kernel_module(name)
+    platform = jax.default_backend()
+    reason = module.unavailable_reason(platform)
+    if name == "cute" and platform not in ("gpu", "cuda"):
+        assert reason, "the CuTe kernel cannot run off an NVIDIA GPU, yet reports no reason"
+    if reason is None:
+        options = {k: v for k, v in VALID_OPTIONS.items() if k != "backend"}
+        reason = module.unsupported_reason(api.Dims(R, T, NB, H), **options)
+    if reason is None:
+        pytest.skip(f"backend={name!r} runs on {platform} at R={R} T={T} NB={NB} H={H}: nothing to refuse")
+    arrays = valid_arrays()
+    before = snapshot(arrays)
+    with pytest.raises(ValueError, match=re.escape(f"backend={name!r} cannot run here: {reason}")):
+        call(arrays, backend=name)
+    assert_unchanged(arrays, before)
+
+
+def test_errors_leave_jax_inputs_usable():
+    """A rejected call with jax arrays neither deletes nor changes them (no donation on error)."""
+    arrays = {k: jax.numpy.asarray(v) for k, v in valid_arrays().items()}
+    before = {k: testing.bits(v).copy() for k, v in arrays.items()}
+    with pytest.raises(ValueError, match="groups"):
+        call(arrays, groups=5)
+    for k, v in arrays.items():
+        assert not v.is_deleted()
+        np.testing.assert_array_equal(testing.bits(v), before[k], err_msg=k)
+
+
+def test_torch_ref_without_torch_names_the_extra(monkeypatch):
+    from oproj_jax import torch_ref
+
+    monkeypatch.setitem(__import__("sys").modules, "torch", None)  # `import torch` now fails
+    with pytest.raises(ImportError, match=re.escape("pip install oproj-jax[test]")):
+        torch_ref.consumer(*valid_arrays().values())
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "error", "text"),
+    [
+        ("mailbox", np.zeros((R, T, H), np.float32), TypeError, "mailbox: expected a bfloat16 torch.Tensor"),
+        ("prefix", np.zeros((T + 1, H), bf16), ValueError, f"prefix: expected shape {(T, H)}"),
+        ("blocks", np.zeros((T, 9, H), bf16), ValueError, "blocks: expected shape [T, NB, H]"),
+    ],
+    ids=["dtype", "prefix-T", "blocks-NB9"],
+)
+def test_torch_ref_bad_argument_is_named(name, value, error, text):
+    torch = pytest.importorskip("torch", reason="pip install oproj-jax[test]")
+    from oproj_jax import torch_ref
+
+    tensors = {k: torch_ref.from_numpy(v) for k, v in valid_arrays().items()}
+    tensors[name] = torch.from_numpy(value) if value.dtype == np.float32 else torch_ref.from_numpy(value)
+    with pytest.raises(error, match=re.escape(text)):
+        torch_ref.consumer(*tensors.values())
