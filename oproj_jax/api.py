@@ -129,6 +129,16 @@ def _platform(*arrays) -> str:
     return jax.default_backend()
 
 
+def backend_names() -> list[str]:
+    """The names `consumer(backend=...)` accepts besides "auto", in "auto" preference order."""
+    return list(_BACKENDS)
+
+
+def unsupported_reason(name: str, dims: Dims, **options) -> str | None:
+    """None if backend `name` handles these dimensions and options, else why not."""
+    return _module(name).unsupported_reason(dims, **options)
+
+
 def available_backends(platform: str | None = None) -> dict[str, str | None]:
     """Backend name -> None if it runs on `platform` (default: JAX's default), else why not."""
     platform = platform or jax.default_backend()

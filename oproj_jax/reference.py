@@ -1,6 +1,7 @@
 """The op in plain jnp: SPEC.md in code. Every other backend is held to this function.
 
-The op is equivalent to this JAX code. f32 throughout after one upcast; the only rounding
+The op is equivalent to this JAX code. f32 throughout after one upcast (products and sums written out elementwise, so no
+backend's matmul precision, e.g. TF32 on GPUs, enters); the only rounding
 points are the ones the seed kernel has, each marked `# ROUND`.
 """
 
@@ -12,7 +13,6 @@ import jax.numpy as jnp
 from oproj_jax.api import ConsumerResult, Dims
 
 f32, bf16 = jnp.float32, jnp.bfloat16
-FULL_F32 = jax.lax.Precision.HIGHEST  # no TF32 for the f32 dots on GPUs
 
 
 def unavailable_reason(platform: str) -> str | None:
@@ -82,9 +82,9 @@ def consumer(
 
     w = norm.astype(f32) * query.astype(f32)  # [H]: key norm folded into the pseudo-query
     sources = jnp.concatenate([blocks.astype(f32), p[:, None, :]], axis=1)  # [T, NB+1, H]
-    logits = jnp.matmul(sources, w, precision=FULL_F32) * rstd(jnp.sum(sources * sources, axis=-1), eps, hidden)  # [T, NB+1]
+    logits = jnp.sum(sources * w, axis=-1) * rstd(jnp.sum(sources * sources, axis=-1), eps, hidden)  # [T, NB+1]
     weights = jax.nn.softmax(logits, axis=-1)
-    y = jnp.einsum("tn,tnh->th", weights, sources, precision=FULL_F32)  # f32, never rounded
+    y = jnp.sum(weights[..., None] * sources, axis=1)  # f32, never rounded
     y = y * rstd(jnp.sum(y * y, axis=-1, keepdims=True), out_eps, hidden)
     output = (y * out_norm.astype(f32)).astype(bf16)  # ROUND: the output is bf16
 

@@ -1,0 +1,129 @@
+"""python -m oproj_jax.bench: time the consumer's backends (and the torch baseline) over T.
+
+  python -m oproj_jax.bench                                  # every available backend, BENCH T
+  python -m oproj_jax.bench --backends reference,pallas --tokens 1,64 --json out.json --plot out.png
+  python -m oproj_jax.bench --check                          # also check each backend first
+
+Prints a table: time per call, effective bandwidth (configs.min_bytes / time), % of the copy
+bandwidth measured in the same run, speedup over the reference. Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def parse_args(argv):
+    from oproj_jax import configs
+
+    parser = argparse.ArgumentParser(prog="python -m oproj_jax.bench", description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n", 1)[1])
+    parser.add_argument("--backends", default="all",
+                        help="comma-separated backend names from the registry, plus 'torch'; 'all' (default) = every "
+                             "one that can run here")
+    parser.add_argument("--tokens", type=_int_list, default=None,
+                        help=f"token counts T (default {','.join(map(str, configs.BENCH_T))} on GPU, 1,8 on CPU)")
+    parser.add_argument("--ranks", type=int, default=configs.TP, help="R, mailbox slots (default %(default)s)")
+    parser.add_argument("--nb", type=int, default=8, help="completed blocks NB, 0..8 (default %(default)s)")
+    parser.add_argument("--groups", type=int, default=4, help="rank-sum groups, 1..4 (default %(default)s)")
+    parser.add_argument("--no-delta", action="store_true", help="has_delta=False (default: True)")
+    parser.add_argument("--reps", type=int, default=None, help="timed executions per chain length (default 20 GPU, 5 CPU)")
+    parser.add_argument("--seed", type=int, default=None, help="input seed (default: from the clock)")
+    parser.add_argument("--check", action="store_true", help="check each backend against the reference first")
+    parser.add_argument("--no-profile", action="store_true", help="skip the profiler cross-check (GPU)")
+    parser.add_argument("--l2-warm", action="store_true",
+                        help="diagnostic: every call reads the same input set (L2-warm when it fits); not a benchmark")
+    parser.add_argument("--json", metavar="PATH", help="write the records as JSON")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG: time vs T per backend, log-log, copy roofline")
+    args = parser.parse_args(argv)
+    for name, value, lo, hi in (("--ranks", args.ranks, 1, None), ("--nb", args.nb, 0, 8), ("--groups", args.groups, 1, 4)):
+        if value < lo or (hi is not None and value > hi):
+            parser.error(f"{name}: expected {lo}..{hi if hi is not None else 'inf'}, got {value}")
+    if args.reps is not None and args.reps < 1:
+        parser.error(f"--reps: expected >= 1, got {args.reps}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import jax
+
+    from oproj_jax import configs
+    from oproj_jax.bench import backends as bench_backends
+    from oproj_jax.bench import inputs as bench_inputs
+    from oproj_jax.bench import report, runner
+
+    platform = jax.default_backend()
+    status = bench_backends.backend_status(platform)
+    if args.backends == "all":
+        wanted = [name for name, reason in status.items() if reason is None]
+        for name, reason in status.items():
+            if reason is not None:
+                print(f"not timing {name}: {reason}", file=sys.stderr)
+    else:
+        wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
+        unknown = [b for b in wanted if b not in status]
+        if unknown:
+            print(f"error: --backends: unknown {unknown}; known: {sorted(status)}", file=sys.stderr)
+            return 2
+        for name in [b for b in wanted if status[b] is not None]:
+            print(f"not timing {name}: {status[name]}", file=sys.stderr)
+        wanted = [b for b in wanted if status[b] is None]
+    if not wanted:
+        print("error: none of the requested backends can run here", file=sys.stderr)
+        return 2
+
+    tokens = args.tokens or (list(configs.BENCH_T) if platform == "gpu" else [1, 8])
+    if platform != "gpu" and max(tokens) > 64 and any(b != "reference" for b in wanted):
+        print(f"note: on {platform}, kernels run interpreted: large T (max {max(tokens)}) will be slow", file=sys.stderr)
+    bench_configs = [configs.Config(args.ranks, t, args.nb, groups=args.groups, has_delta=not args.no_delta) for t in tokens]
+    reps = args.reps or (20 if platform == "gpu" else 5)
+    seed = args.seed if args.seed is not None else int(time.time()) % 2**31
+    profile = platform == "gpu" and not args.no_profile
+
+    records = [runner.header(seed, status, argv=list(sys.argv[1:] if argv is None else argv))]
+    cases = bench_inputs.HostCases(bench_configs, seed)
+    try:
+        if args.check:
+            records += runner.run_checks(wanted, bench_configs, cases)
+        records.append(runner.run_copy(platform, reps, profile))
+        records += runner.run_timings(wanted, bench_configs, cases, platform, reps, profile, l2_warm=args.l2_warm)
+    finally:
+        cases.close()
+    report.derive(records)
+
+    print(report.timing_table(records))
+    if args.check:
+        print()
+        print(report.check_table(records))
+    extra = report.skipped_lines(records)
+    if extra:
+        print(extra)
+    errors = [r for r in records if r.get("kind") == "error"]
+    for r in errors:
+        print(f"error {r['backend']} {r['what']}: {r['error']}")
+    if args.json:
+        report.write_json(records, args.json)
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        why_not = report.write_plot(records, args.plot)
+        print(f"not plotting: {why_not}" if why_not else f"wrote {args.plot}", file=sys.stderr)
+    failed = [r for r in records if r.get("kind") == "check" and not r["ok"]]
+    return 1 if (errors or failed) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Which backends can run here: the JAX registry (api.py) plus the optional PyTorch baseline.
+
+Every name in the registry is asked, one at a time, so a backend whose module is missing or
+broken is reported with its reason instead of hiding the others. "torch" is not a registry
+backend: it times `oproj_jax.torch_ref` on CUDA tensors as a baseline, imported lazily.
+"""
+
+from __future__ import annotations
+
+from oproj_jax import api
+
+TORCH = "torch"
+
+
+def registry_names() -> list[str]:
+    """The backend names api.consumer accepts (without "auto"), in registry order."""
+    return api.backend_names()
+
+
+def jax_backend_status(platform: str) -> dict[str, str | None]:
+    """Registry name -> None when it runs on `platform`, else the reason (a failed import included)."""
+    return api.available_backends(platform)
+
+
+def torch_unavailable_reason() -> str | None:
+    """None when the PyTorch baseline can run (torch with a CUDA device and torch_ref), else why not."""
+    try:
+        import torch
+    except ImportError as err:
+        return f"PyTorch is not installed ({err})"
+    if not torch.cuda.is_available():
+        return "PyTorch sees no CUDA device (the torch baseline is timed on the GPU only)"
+    try:
+        from oproj_jax import torch_ref  # noqa: F401
+    except ImportError as err:
+        return f"oproj_jax.torch_ref is missing ({err})"
+    return None
+
+
+def backend_status(platform: str, *, with_torch: bool = True) -> dict[str, str | None]:
+    status = jax_backend_status(platform)
+    if with_torch:
+        status[TORCH] = torch_unavailable_reason()
+    return status
+
+
+def unsupported_reason(name: str, dims: api.Dims, options: dict) -> str | None:
+    """None when backend `name` handles these dims/options, else why not (the registry's answer)."""
+    if name == TORCH:
+        return None
+    try:
+        return api.unsupported_reason(name, dims, **options)
+    except Exception as err:
+        return f"unsupported_reason failed ({type(err).__name__}: {err})"

@@ -1,0 +1,287 @@
+"""Device time per call, measured as the slope of unrolled chains of dependent calls.
+
+Why not a loop: a jitted `fori_loop` pays ~11 us of host round trip per iteration on the H200
+and XLA hoists loop-invariant work out of it (PLATFORM.md). Instead one jit holds K calls in
+straight-line code: call i reads its own input set (distinct buffers, so XLA can neither CSE
+nor hoist anything), takes the previous call's prefix as its prefix (so every call depends on
+the one before and none can be dropped or reordered), and every output is returned (kept
+live). The wall time of such an execution is overhead + K * per-call time, so
+
+    per-call time = (t(K2) - t(K1)) / (K2 - K1),  t = median wall time of an execution.
+
+Both jits take the same K2 input sets (keep_unused=True), so the per-argument dispatch cost
+cancels too. Executions cycle through input lists (inputs.DevicePool) so L2 is cold. The
+profiler's device times (kernel durations summed per call) are a cross-check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import glob
+import math
+import statistics
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from oproj_jax import api, configs
+from oproj_jax.bench import inputs as bench_inputs
+
+EPS = 1e-6
+H200_L2_BYTES = 50 * 2**20  # H200 L2 cache (50 MB)
+CPU_CACHE_BYTES = 32 * 2**20  # a generous last-level cache for the CPU runs
+
+
+@dataclasses.dataclass
+class Timing:
+    us: float  # per-call device time from the chain slope
+    k1: int
+    k2: int
+    reps: int  # timed executions per chain length
+    n_sets: int  # distinct input sets cycled through
+    t_k1_us: float  # median wall time of one K1 execution
+    t_k2_us: float
+    noise_us: float  # (MAD(t(K1)) + MAD(t(K2))) / (K2 - K1)
+    us_profiler: float | None = None  # kernel time per call from the profiler trace
+    profiler_note: str | None = None
+    us_profiler_single: float | None = None  # kernel time per call of the one-call executable
+    profiler_single_note: str | None = None
+    method_text: str | None = None  # set by timers that measure differently (torch: CUDA graphs)
+
+    @property
+    def method(self) -> str:
+        if self.method_text:
+            return self.method_text
+        return (
+            f"slope of unrolled chains of dependent calls in one jit: (t(K2)-t(K1))/(K2-K1), "
+            f"K1={self.k1}, K2={self.k2}, median of {self.reps} executions each, "
+            f"{self.n_sets} distinct input sets rotated (L2-cold)"
+        )
+
+
+def chain_lengths(config: configs.Config, platform: str) -> tuple[int, int]:
+    """(K1, K2): the difference of the chains should take >= ~1 ms at a few TB/s (a rough guess
+    of 15 us + bytes / 3 TB/s per call), with K2 <= 32 to keep compile times bounded."""
+    if platform != "gpu":
+        return 1, 3  # CPU smoke runs: kernels are interpreted there, each call is slow
+    est_us = 15.0 + configs.min_bytes(config) / 3e6
+    k2 = min(32, max(4, math.ceil(1.33 * 1500.0 / est_us)))
+    return max(1, k2 // 4), k2
+
+
+def consumer_step(backend: str, config: configs.Config):
+    """One consumer call of `backend` as a jitted function of the six arrays (lowered once,
+    reused by every call site of a chain)."""
+    options = dict(eps=EPS, out_eps=EPS, has_delta=config.has_delta, groups=config.groups, xmoe_replicas=config.xmoe_replicas)
+    return jax.jit(functools.partial(api.consumer, backend=backend, **options))
+
+
+def consumer_chain(step, k: int, name: str):
+    """jit of k dependent calls: (mailboxes[K2], blocks[K2], prefix, norm, query, out_norm) ->
+    (final prefix, k outputs, k xmoes). Only the first k sets are read; the rest are kept
+    arguments so the K1 and K2 executables take the same arguments."""
+
+    def chain(mailboxes, blocks, prefix, norm, query, out_norm):
+        outputs, xmoes = [], []
+        for i in range(k):
+            prefix, output, xmoe = step(mailboxes[i], prefix, blocks[i], norm, query, out_norm)
+            outputs.append(output)
+            xmoes.append(xmoe)
+        return prefix, outputs, xmoes
+
+    chain.__name__ = chain.__qualname__ = name
+    return jax.jit(chain, keep_unused=True)
+
+
+def _run_once(fn, args) -> float:
+    start = time.perf_counter()
+    out = fn(*args)
+    jax.block_until_ready(out)
+    elapsed = time.perf_counter() - start
+    del out
+    return elapsed * 1e6
+
+
+def mad(values) -> float:
+    m = statistics.median(values)
+    return statistics.median(abs(v - m) for v in values)
+
+
+def slope(fn1, fn2, args_of, k1: int, k2: int, reps: int, warmup: int = 2) -> tuple[float, float, float, float]:
+    """(per-call us, median t(K1) us, median t(K2) us, noise us); K1 and K2 executions
+    interleaved, each on the next argument set of args_of(i). noise = (MAD(t1) + MAD(t2)) /
+    (K2 - K1): a rough per-call uncertainty of the slope."""
+    i = 0
+    for _ in range(warmup):  # compile, first touch, allocator warm-up
+        for fn in (fn1, fn2):
+            _run_once(fn, args_of(i))
+            i += 1
+    t1, t2 = [], []
+    for _ in range(reps):
+        t1.append(_run_once(fn1, args_of(i)))
+        t2.append(_run_once(fn2, args_of(i + 1)))
+        i += 2
+    m1, m2 = statistics.median(t1), statistics.median(t2)
+    return (m2 - m1) / (k2 - k1), m1, m2, (mad(t1) + mad(t2)) / (k2 - k1)
+
+
+def time_backend(backend: str, pool: bench_inputs.DevicePool, config: configs.Config, k1: int, k2: int,
+                 reps: int, profile: bool) -> Timing:
+    step = consumer_step(backend, config)
+    fn1 = consumer_chain(step, k1, f"chain_{backend}_T{config.T}_K{k1}")
+    fn2 = consumer_chain(step, k2, f"chain_{backend}_T{config.T}_K{k2}")
+    us, m1, m2, noise = slope(fn1, fn2, pool.args, k1, k2, reps)
+    timing = Timing(us, k1, k2, reps, pool.n_sets, m1, m2, noise)
+    if profile:
+        timing.us_profiler, timing.profiler_note = profiled_us_per_call(fn2, pool.args, k2)
+        timing.us_profiler_single, timing.profiler_single_note = profiled_single_us(step, pool)
+    return timing
+
+
+# --- profiler cross-check ---------------------------------------------------------------------
+
+
+def _device_event_summary(xplane_path: str) -> dict[str, tuple[int, float]]:
+    """GPU plane line name -> (events, summed duration in us)."""
+    data = jax.profiler.ProfileData.from_file(xplane_path)
+    summary = {}
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            n, total = 0, 0.0
+            for event in line.events:
+                n += 1
+                total += event.duration_ns / 1e3
+            key = f"{plane.name}|{line.name}"
+            summary[key] = (n, total)
+    return summary
+
+
+def profiled_us(run, calls_per_run: int, runs: int = 3) -> tuple[float | None, str]:
+    """Summed kernel time per call from a jax.profiler trace of `runs` calls of run(i) (each
+    doing `calls_per_run` consumer calls; run(0) runs untraced first), read from the GPU
+    'Stream' lines of the xplane; and a note naming the lines used."""
+    if jax.default_backend() != "gpu":
+        return None, "profiler cross-check runs on the GPU only"
+    try:
+        jax.block_until_ready(run(0))
+        with tempfile.TemporaryDirectory() as tmp:
+            with jax.profiler.trace(tmp):
+                for i in range(runs):
+                    jax.block_until_ready(run(i + 1))
+            paths = glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)
+            if not paths:
+                return None, "no xplane.pb written"
+            summary = _device_event_summary(paths[0])
+    except Exception as err:  # the cross-check must not abort a benchmark run
+        return None, f"profiler failed: {type(err).__name__}: {err}"
+    streams = {key: v for key, v in summary.items() if key.split("|", 1)[1].startswith("Stream")}
+    if not streams:
+        return None, f"no GPU stream lines in the trace (lines: {sorted(summary)})"
+    total = sum(v[1] for v in streams.values())
+    events = sum(v[0] for v in streams.values())
+    note = f"{events} device events on {len(streams)} stream line(s): " + ", ".join(
+        f"{key.split('|', 1)[1]} ({v[0]} ev)" for key, v in sorted(streams.items())
+    )
+    return total / (runs * calls_per_run), note
+
+
+def profiled_us_per_call(fn, args_of, k: int, executions: int = 3) -> tuple[float | None, str]:
+    """Kernel time per call of a k-call chain executable."""
+    return profiled_us(lambda i: fn(*args_of(i)), k, executions)
+
+
+def profiled_single_us(step, pool: bench_inputs.DevicePool, calls: int = 8) -> tuple[float | None, str]:
+    """Kernel time per call of the one-call executable (`step` jitted alone), `calls` calls per
+    run on distinct input sets, outputs kept until the run ends: shows whether compiling the
+    call inside a chain changed XLA's choices."""
+
+    def run(i):
+        outs = []
+        for c in range(calls):
+            n = i * calls + c
+            mailboxes, blocks, prefix, *weights = pool.args(n // pool.k)
+            outs.append(step(mailboxes[n % pool.k], prefix, blocks[n % pool.k], *weights))
+        return outs
+
+    return profiled_us(run, calls)
+
+
+# --- copy bandwidth ----------------------------------------------------------------------------
+
+
+def copy_chain(k: int, kind: str):
+    """k dependent passes, each over its own source buffer, all results kept live; the scalar s
+    of the previous result is tied in behind an optimization barrier (no fusion across it).
+    kind "d2d": y_i = copy(src_i) (XLA copy of a buffer: a device-to-device copy);
+    kind "xor": y_i = src_i ^ s (an elementwise read+write kernel)."""
+
+    def chain(sources):
+        outs = []
+        s = jnp.uint32(0)
+        for i in range(k):
+            if kind == "d2d":
+                x, _ = lax.optimization_barrier((sources[i], s))
+                y = jnp.copy(x)
+            else:
+                y = sources[i] ^ s
+            outs.append(y)
+            s = lax.optimization_barrier(y[0])
+        return outs
+
+    chain.__name__ = chain.__qualname__ = f"copy_{kind}_chain_K{k}"
+    return jax.jit(chain, keep_unused=True)
+
+
+@dataclasses.dataclass
+class CopyBandwidth:
+    kind: str
+    bytes_per_copy: int  # read + write
+    us: float
+    k1: int
+    k2: int
+    reps: int
+    noise_us: float
+    us_profiler: float | None = None
+    profiler_note: str | None = None
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes_per_copy / self.us / 1e3
+
+    @property
+    def method(self) -> str:
+        what = "device-to-device copy (XLA copy)" if self.kind == "d2d" else "elementwise read+write kernel (x ^ s)"
+        return (
+            f"{what} of {self.bytes_per_copy // 2 // 2**20} MiB buffers (bytes counted: read + write), "
+            f"slope of unrolled dependent chains K1={self.k1}, K2={self.k2}, median of {self.reps}"
+        )
+
+
+def copy_bandwidth(platform: str, reps: int, profile: bool, kinds=("d2d", "xor")) -> list[CopyBandwidth]:
+    size = (512 if platform == "gpu" else 32) * 2**20  # bytes per buffer; >> L2
+    k1, k2 = (2, 8) if platform == "gpu" else (1, 3)
+    n_lists = 2
+    make = jax.jit(lambda i: jnp.full((size // 4,), i, jnp.uint32) * jnp.arange(size // 4, dtype=jnp.uint32))
+    lists = [tuple(make(jnp.uint32(7 + j * k2 + i)) for i in range(k2)) for j in range(n_lists)]
+    jax.block_until_ready(lists)
+    args_of = lambda i: (lists[i % n_lists],)
+    results = []
+    for kind in kinds:
+        fn1, fn2 = copy_chain(k1, kind), copy_chain(k2, kind)
+        us, _, _, noise = slope(fn1, fn2, args_of, k1, k2, reps)
+        result = CopyBandwidth(kind, 2 * size, us, k1, k2, reps, noise)
+        if profile:
+            result.us_profiler, result.profiler_note = profiled_us_per_call(fn2, args_of, k2)
+        results.append(result)
+    del lists
+    return results
+
+
+def l2_bytes(platform: str) -> int:
+    return H200_L2_BYTES if platform == "gpu" else CPU_CACHE_BYTES

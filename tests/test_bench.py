@@ -1,0 +1,198 @@
+"""CPU smoke tests of the benchmark harness (oproj_jax.bench): the CLI end to end on the
+reference at T=1, the JSON fields, the table, the plot, backend selection messages, and the
+harness's own pieces (prefix model, check flags, derived figures, slope)."""
+
+import importlib.util
+import json
+import sys
+import time
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from oproj_jax import api, configs, reference, testing
+from oproj_jax.bench import __main__ as cli
+from oproj_jax.bench import backends as bench_backends
+from oproj_jax.bench import checks, inputs, report, timing
+
+TIMING_FIELDS = {"backend", "T", "R", "NB", "groups", "us", "device", "date", "gbps", "pct_roofline",
+                 "speedup_vs_reference", "method"}
+CHECK_FIELDS = {"backend", "config", "prefix_mismatch", "out_rel_l2"}
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    """One small CLI run (reference, T=1, R=2, NB=1, with --check), shared by the tests below."""
+    out = tmp_path_factory.mktemp("bench")
+    json_path, plot_path = out / "r.json", out / "r.png"
+    argv = ["--backends", "reference", "--tokens", "1", "--ranks", "2", "--nb", "1", "--reps", "2",
+            "--check", "--seed", "5", "--json", str(json_path), "--plot", str(plot_path)]
+    capture = pytest.MonkeyPatch()
+    stdout = []
+    capture.setattr(sys, "stdout", types.SimpleNamespace(write=stdout.append, flush=lambda: None))
+    try:
+        start = time.perf_counter()
+        rc = cli.main(argv)
+        seconds = time.perf_counter() - start
+    finally:
+        capture.undo()
+    return dict(rc=rc, stdout="".join(stdout), json=json_path, plot=plot_path, seconds=seconds)
+
+
+def test_cli_runs_reference_quickly(cli_run):
+    assert cli_run["rc"] == 0
+    assert cli_run["seconds"] < 120, "the T=1 smoke run should take seconds on a CPU"
+
+
+def test_cli_json_has_required_fields(cli_run):
+    records = json.loads(cli_run["json"].read_text())
+    kinds = [r["kind"] for r in records]
+    assert kinds[0] == "header" and kinds.count("header") == 1
+    header = records[0]
+    assert {"jax", "jaxlib", "torch", "triton", "python", "driver"} <= set(header["versions"])
+    assert header["versions"]["jax"] == jax.__version__
+    assert header["device"] and header["date"]
+    (copy,) = [r for r in records if r["kind"] == "copy"]
+    assert copy["gbps"] > 0
+    (t,) = [r for r in records if r["kind"] == "timing"]
+    assert TIMING_FIELDS <= set(t)
+    assert (t["backend"], t["T"], t["R"], t["NB"], t["groups"]) == ("reference", 1, 2, 1, 4)
+    assert np.isfinite(t["us"]) and t["noise_us"] >= 0  # a loaded 2-core CPU can even give us <= 0
+    assert t["bytes"] == configs.min_bytes(configs.Config(2, 1, 1))
+    if t["us"] > 0:
+        assert t["speedup_vs_reference"] == pytest.approx(1.0)
+    (c,) = [r for r in records if r["kind"] == "check"]
+    assert CHECK_FIELDS <= set(c)
+    assert c["prefix_mismatch"] == 0 and c["out_rel_l2"] < testing.OUTPUT_REL_L2_TOL and c["ok"] is True
+
+
+def test_cli_prints_the_table(cli_run):
+    out = cli_run["stdout"]
+    assert "us/call" in out and "% copy" in out and "x ref" in out
+    assert any(line.startswith("reference") and line.split()[1] == "1" for line in out.splitlines())
+    assert "copy bandwidth (roofline)" in out
+
+
+@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib is not installed (the bench extra)")
+def test_cli_writes_the_plot(cli_run):
+    assert cli_run["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_says_why_a_backend_is_unavailable(capsys):
+    status = bench_backends.backend_status(jax.default_backend())
+    missing = [name for name, reason in status.items() if reason is not None]
+    if not missing:
+        pytest.skip("every backend runs here")
+    assert cli.main(["--backends", missing[0], "--tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"not timing {missing[0]}: {status[missing[0]]}" in err
+    assert "none of the requested backends can run here" in err
+
+
+def test_cli_rejects_unknown_backend_and_bad_sizes(capsys):
+    assert cli.main(["--backends", "nope"]) == 2
+    assert "unknown ['nope']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["--nb", "9"])
+    assert "--nb: expected 0..8, got 9" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["--tokens", "1,x"])
+
+
+def test_prefix_model_matches_reference_bits():
+    config = configs.Config(16, 3, 2, groups=3)
+    case = inputs.host_case(config, seed=11)
+    x = case.inputs
+    got = reference.consumer(*(jnp.asarray(x[k]) for k in checks.ARGS), eps=1e-6, out_eps=1e-6, **config.options())
+    assert np.count_nonzero(testing.bits(np.asarray(got.prefix)) != testing.bits(case.expected_prefix)) == 0
+
+
+def test_device_pool_copies_are_distinct_buffers():
+    case = inputs.host_case(configs.Config(2, 1, 1), seed=3)
+    pool = inputs.DevicePool(case, 3, l2_bytes=1 << 20)
+    assert pool.n_lists >= 2 and pool.n_sets == 3 * pool.n_lists
+    assert pool.distinct_buffers()
+    mailboxes, blocks, prefix, *weights = pool.args(1)
+    assert len(mailboxes) == len(blocks) == 3 and len(weights) == 3
+
+
+def _broken_consumer(mailbox, prefix, blocks, norm, query, out_norm, **options):
+    """The reference with one prefix bit flipped and one output element left as NaN."""
+    good = reference.consumer(mailbox, prefix, blocks, norm, query, out_norm, **options)
+    bits = jax.lax.bitcast_convert_type(good.prefix, jnp.uint16)
+    bad_prefix = jax.lax.bitcast_convert_type(bits.at[0, 0].set(bits[0, 0] ^ 1), jnp.bfloat16)
+    return api.ConsumerResult(bad_prefix, good.output.at[0, 5].set(jnp.nan), good.xmoe)
+
+
+@pytest.fixture
+def broken_backend(monkeypatch):
+    module = types.ModuleType("oproj_jax_test_broken_backend")
+    module.consumer = _broken_consumer
+    module.unavailable_reason = lambda platform: None
+    module.unsupported_reason = lambda dims, **options: None
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(api._BACKENDS, "broken", module.__name__)
+    return "broken"
+
+
+def test_checks_flag_a_broken_backend_registered_later(broken_backend):
+    assert bench_backends.backend_status("cpu")[broken_backend] is None  # found through the registry
+    case = inputs.host_case(configs.Config(2, 3, 1, groups=1), seed=4)
+    checker = checks.Checker()
+    ref_record, ref_prefix = checker.check("reference", case, None)
+    assert ref_record["ok"] and ref_record["prefix_mismatch"] == 0
+    record, _ = checker.check(broken_backend, case, ref_prefix)
+    assert record["prefix_mismatch"] == 1 and record["prefix_mismatch_model"] == 1
+    assert record["out_nonfinite"] == 1
+    assert record["ok"] is False
+
+
+def test_derive_fills_bandwidth_roofline_and_speedup():
+    records = [
+        dict(kind="copy", gbps=4000.0),
+        dict(kind="timing", backend="reference", T=8, R=16, NB=8, groups=4, us=4.0, bytes=2_000_000),
+        dict(kind="timing", backend="fast", T=8, R=16, NB=8, groups=4, us=1.0, bytes=2_000_000),
+    ]
+    report.derive(records)
+    ref, fast = records[1], records[2]
+    assert ref["gbps"] == pytest.approx(500.0)  # 2e6 B / 4 us
+    assert fast["gbps"] == pytest.approx(2000.0) and fast["pct_roofline"] == pytest.approx(50.0)
+    assert fast["speedup_vs_reference"] == pytest.approx(4.0) and ref["speedup_vs_reference"] == pytest.approx(1.0)
+    table = report.timing_table(records)
+    assert "fast" in table and "4.00" in table
+
+
+def test_derive_takes_the_fastest_copy_variant_as_roofline():
+    records = [
+        dict(kind="copy", us=500.0, gbps=4000.0, method="xla"),
+        dict(kind="timing", backend="k", T=1, R=1, NB=0, groups=1, us=1.0, bytes=2_500_000),
+        dict(kind="copy_variant", variant="torch", us=400.0, gbps=5000.0, noise_us=1.0, method="torch copy_"),
+    ]
+    report.derive(records)
+    assert [r["kind"] for r in records] == ["copy", "timing"]
+    assert records[0]["gbps"] == 5000.0 and records[0]["variants"][-1]["kind"] == "torch"
+    assert records[1]["pct_roofline"] == pytest.approx(50.0)  # 2.5e6 B / 1 us = 2500 GB/s of 5000
+
+
+def test_slope_removes_constant_overhead(monkeypatch):
+    """Fake executions on a fake clock: 3 ms of overhead + 1 ms per call, with jitter on the
+    fourth run only; the slope is exactly 1000 us per call."""
+    clock = [0.0]
+    runs = [0]
+
+    def fake(k):
+        def run(*args):
+            runs[0] += 1
+            clock[0] += (3 + k) * 1e-3 + (0.5e-3 if runs[0] == 4 else 0.0)
+
+        return run
+
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    per_call, t1, t2, noise = timing.slope(fake(1), fake(5), lambda i: (), 1, 5, reps=5, warmup=1)
+    assert per_call == pytest.approx(1000.0)
+    assert (t1, t2) == (pytest.approx(4000.0), pytest.approx(8000.0))
+    assert noise == pytest.approx(0.0, abs=1e-6)  # one outlier does not move the medians or the MADs
