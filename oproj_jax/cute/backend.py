@@ -1,0 +1,326 @@
+"""backend="cute": the CuTe-DSL kernel (prebuilt sm_90a cubins) launched from XLA through FFI.
+
+Three layers of entry point:
+
+* `consumer(...)`: the registry function (same signature as every backend). It sanitizes the
+  mailbox (-0.0 -> +0.0), launches, and returns `ConsumerResult`.
+* `consume(...)`: also returns the re-armed mailbox, the `hints` counter and the `status`
+  word, takes `published=True` for producers that already publish sanitized data, and a
+  bounded `spin_limit`; `check_status(result.status)` raises if polling gave up.
+* `consume_twoshot(recv, gather, ..., me=...)`: the twoshot kernel ABI.
+
+Lamport mailbox and XLA. The kernel polls each 32-bit mailbox word until it is not the
+sentinel 0x80000000 (the bf16 pair (+0.0, -0.0)), then re-arms it (stores the sentinel back).
+Data computed by XLA may hold real -0.0 values that would read as "not published yet", so by
+default the mailbox is sanitized first. That pass reads and writes the whole mailbox (R*T*H*4
+bytes moved); but the kernel updates the mailbox in place (input_output_aliases), so when the
+caller does not donate the mailbox XLA has to copy it anyway, and the sanitizing pass *is* that
+copy. With `published=True` (sanitized data, or slots still being written by a producer on
+another stream) nothing runs before the kernel, and a donated mailbox is polled in place.
+
+`status` and `hints` are [1]-element buffers passed in and returned; the kernel only sets
+status (nonzero: a slot stayed empty for `spin_limit` polling rounds) and adds to hints, so
+carry them through a loop and check status once at the end, or pass None for fresh zeros.
+The host cannot see status before the call's stream has run: read it when you sync.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from oproj_jax import ffi
+from oproj_jax.api import ConsumerResult, Dims, check_arguments
+from oproj_jax.cute import manifest as cute_manifest
+from oproj_jax.reference import without_negative_zero
+
+HIDDEN = 7168  # 7 CTAs x 128 threads x 8 elements: the only hidden size the cubins are built for
+MAX_TOKENS = 65535  # grid.y
+BUILD_COMMAND = "python -m oproj_jax.build"
+# Bounded by default in `consume`: a slot that is never published becomes a status code, not a
+# hung GPU. ~1.7e7 rounds of one 16-byte poll each: seconds, far above any real producer skew.
+DEFAULT_SPIN_LIMIT = 1 << 24
+_STATUS = {1: "a mailbox / gather-row slot", 2: "a twoshot receive slot"}  # codes the kernel stores
+ONESHOT_PARAMS = 14  # kernel parameters per CUTE_ABI.md
+TWOSHOT_PARAMS = 17
+
+
+class CuteResult(NamedTuple):
+    prefix: jax.Array  # [T, H] bf16, updated
+    output: jax.Array  # [T, H] bf16
+    xmoe: jax.Array | None  # [reps, T, H] bf16, None when reps == 0
+    mailbox: jax.Array  # [R, T, H] bf16 (twoshot: the gather row [1, T, H]), re-armed to the sentinel
+    hints: jax.Array  # [1] u32: the counter passed in + one per publishing warp
+    status: jax.Array  # [1] i32: 0, or nonzero if polling gave up (sticky)
+
+
+class CuteTwoshotResult(NamedTuple):
+    prefix: jax.Array  # [T, H] bf16, updated
+    output: jax.Array  # [T, H] bf16
+    xmoe: jax.Array | None  # [reps, T, H] bf16, None when reps == 0
+    gather: jax.Array  # [1, T, H] bf16, re-armed
+    recv: jax.Array  # [R, T, H/R] bf16, re-armed
+    hints: jax.Array  # [1] u32
+    status: jax.Array  # [1] i32
+
+
+# ---- manifest ------------------------------------------------------------------------------
+
+
+def kernel_key(R: int, NB: int, *, has_delta: bool, groups: int, xmoe_replicas: int, twoshot: bool) -> dict:
+    """The manifest key of one cubin variant (CUTE_ABI.md)."""
+    return cute_manifest.make_key(R, NB, bool(has_delta), groups, xmoe_replicas, bool(twoshot))
+
+
+def _key_build_command(key: dict) -> str:
+    flags = ",".join(str(int(key[k])) for k in cute_manifest.KEY_FIELDS)
+    return f"python -m oproj_jax.cute.build --key {flags}"
+
+
+def _manifest() -> tuple[dict | None, str]:
+    """(the manifest, its directory) or (None, why it is missing)."""
+    directory = cute_manifest.default_dir()
+    try:
+        return cute_manifest.load_manifest(directory), str(directory)
+    except (FileNotFoundError, ValueError, OSError) as err:
+        return None, str(err)
+
+
+class _Kernel(NamedTuple):
+    cubin: str  # absolute path
+    entry: str
+    smem: int
+    block: int
+
+
+def _kernel(key: dict) -> _Kernel:
+    """The cubin for `key`, or a ValueError naming the key and the command that builds it."""
+    manifest, where = _manifest()
+    if manifest is None:
+        raise ValueError(f"no CuTe cubins/manifest found ({where})")
+    entry = cute_manifest.find(manifest, key)
+    if entry is None:
+        raise ValueError(f"no CuTe cubin for key {cute_manifest.describe(key)} in {where}; "
+                         f"build it with `{_key_build_command(key)}`")
+    want = TWOSHOT_PARAMS if key["twoshot"] else ONESHOT_PARAMS
+    params, cluster = entry.get("params", ()), list(entry.get("cluster", ()))
+    if len(params) != want or cluster != [7, 1, 1] or int(manifest["H"]) != HIDDEN:
+        raise ValueError(f"cubin {entry['cubin']} ({cute_manifest.describe(key)}) does not follow CUTE_ABI.md: "
+                         f"expected {want} params, cluster [7, 1, 1], H {HIDDEN}; got {len(params)} params, "
+                         f"cluster {cluster}, H {manifest['H']}; rebuild it with `{_key_build_command(key)}`")
+    return _Kernel(str(cute_manifest.cubin_path(manifest, entry)), entry["entry"], int(entry["dynamic_smem_bytes"]),
+                   int(entry["block"][0]))
+
+
+# ---- registry interface --------------------------------------------------------------------
+
+
+def _is_cuda(platform: str) -> bool:
+    if platform == "cuda":
+        return True
+    if platform != "gpu":  # ROCm also calls itself "gpu": ask for CUDA devices explicitly
+        return False
+    try:
+        return bool(jax.devices("cuda"))
+    except RuntimeError:
+        return False
+
+
+def unavailable_reason(platform: str) -> str | None:
+    if not _is_cuda(platform):
+        return f"the CuTe kernel runs on NVIDIA CUDA GPUs (sm_90a) only; the platform is {platform!r}"
+    reason = ffi.unavailable_reason()
+    if reason:
+        return reason
+    manifest, where = _manifest()
+    if manifest is None:
+        return f"no CuTe cubins/manifest found ({where}); `{BUILD_COMMAND}` builds cubins and library (no GPU needed)"
+    return None
+
+
+def unsupported_reason(dims: Dims, *, has_delta: bool = True, groups: int = 4, xmoe_replicas: int = 0,
+                       twoshot: bool = False, **_) -> str | None:
+    if dims.H != HIDDEN:
+        return f"the CuTe cubins are built for H = {HIDDEN} only, got H = {dims.H}"
+    if dims.T > MAX_TOKENS:
+        return f"T = {dims.T} tokens exceeds the launch grid's y limit {MAX_TOKENS}"
+    key = kernel_key(dims.R, dims.NB, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas,
+                     twoshot=twoshot)
+    try:
+        _kernel(key)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def consumer(mailbox, prefix, blocks, norm, query, out_norm, *, eps, out_eps, has_delta, groups,
+             xmoe_replicas) -> ConsumerResult:
+    """The registry entry point: sanitizes the mailbox, so the kernel never waits (spin_limit 0)."""
+    result = consume(mailbox, prefix, blocks, norm, query, out_norm, eps=eps, out_eps=out_eps,
+                     has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas, published=False,
+                     spin_limit=0)
+    return ConsumerResult(result.prefix, result.output, result.xmoe)
+
+
+# ---- the FFI calls ---------------------------------------------------------------------------
+
+
+def _check_concrete_platform(*arrays) -> None:
+    """Eagerly placed inputs must be on a CUDA device (under tracing, lowering decides)."""
+    for x in arrays:
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+            platform = next(iter(x.devices())).platform
+            if not _is_cuda(platform):
+                raise ValueError(f"backend 'cute' cannot run here: {unavailable_reason(platform)}")
+
+
+def _flags(hints, status):
+    hints = jnp.zeros((1,), jnp.uint32) if hints is None else hints
+    status = jnp.zeros((1,), jnp.int32) if status is None else status
+    for name, x, dtype in (("hints", hints, jnp.uint32), ("status", status, jnp.int32)):
+        if tuple(x.shape) != (1,) or jnp.dtype(x.dtype) != dtype:
+            raise TypeError(f"{name}: expected a [1] {jnp.dtype(dtype).name} array, got {tuple(x.shape)} {x.dtype}")
+    return hints, status
+
+
+def _check_spin_limit(spin_limit: Any) -> int:
+    if isinstance(spin_limit, bool) or not isinstance(spin_limit, (int, np.integer)):
+        raise TypeError(f"spin_limit: expected an int (polling rounds, 0 = forever), got {type(spin_limit).__name__}")
+    if not 0 <= spin_limit < 2**31:
+        raise ValueError(f"spin_limit: expected 0 <= spin_limit < 2**31, got {spin_limit}")
+    return int(spin_limit)
+
+
+def _attributes(kernel: _Kernel, eps, out_eps, spin_limit, pdl) -> dict:
+    return dict(cubin=kernel.cubin, entry=kernel.entry, smem=np.int64(kernel.smem), block=np.int64(kernel.block),
+                eps=np.float32(eps), out_eps=np.float32(out_eps), spin_limit=np.int32(spin_limit), pdl=bool(pdl))
+
+
+def _out_types(slots, prefix, xmoe_replicas, hints, status):
+    T, H = prefix.shape
+    bf16 = jnp.bfloat16
+    return [jax.ShapeDtypeStruct(slots.shape, bf16), jax.ShapeDtypeStruct((T, H), bf16),
+            jax.ShapeDtypeStruct((T, H), bf16), jax.ShapeDtypeStruct((xmoe_replicas, T, H), bf16),
+            jax.ShapeDtypeStruct(hints.shape, hints.dtype), jax.ShapeDtypeStruct(status.shape, status.dtype)]
+
+
+# operand -> result: mailbox, prefix, hints, status are updated in place
+_ALIASES = {0: 0, 1: 1, 6: 4, 7: 5}
+
+
+def consume(
+    mailbox,  # [R, T, H] bf16: rank slots, polled then re-armed
+    prefix,  # [T, H] bf16
+    blocks,  # [T, NB, H] bf16
+    norm,  # [H] bf16
+    query,  # [H] bf16
+    out_norm,  # [H] bf16
+    *,
+    eps: float = 1e-6,
+    out_eps: float = 1e-6,
+    has_delta: bool = True,
+    groups: int = 4,
+    xmoe_replicas: int = 0,
+    published: bool = False,
+    spin_limit: int = DEFAULT_SPIN_LIMIT,
+    hints=None,  # [1] u32 or None (zeros)
+    status=None,  # [1] i32 or None (zeros)
+    pdl: bool = True,
+) -> CuteResult:
+    """The CuTe kernel on a oneshot mailbox; returns everything it writes (see module docstring).
+
+    `published=True`: the mailbox holds no -0.0 except in slots that are still to be published
+    (e.g. by a producer on another stream): nothing is done to it before the kernel polls it.
+    """
+    dims = check_arguments(mailbox, prefix, blocks, norm, query, out_norm, eps=eps, out_eps=out_eps,
+                           has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas)
+    spin_limit = _check_spin_limit(spin_limit)
+    _check_concrete_platform(mailbox, prefix, blocks)
+    reason = unsupported_reason(dims, has_delta=bool(has_delta), groups=groups, xmoe_replicas=xmoe_replicas)
+    if reason:
+        raise ValueError(f"backend 'cute' cannot run this call: {reason}")
+    kernel = _kernel(kernel_key(dims.R, dims.NB, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas,
+                                twoshot=False))
+    hints, status = _flags(hints, status)
+    if not published:
+        mailbox = without_negative_zero(mailbox)
+    ffi.register_targets()
+    call = jax.ffi.ffi_call(ffi.ONESHOT_TARGET, _out_types(mailbox, prefix, xmoe_replicas, hints, status),
+                            input_output_aliases=_ALIASES)
+    out = call(mailbox, prefix, blocks, norm, query, out_norm, hints, status,
+               **_attributes(kernel, eps, out_eps, spin_limit, pdl))
+    new_mailbox, new_prefix, output, xmoe, hints, status = out
+    return CuteResult(new_prefix, output, xmoe if xmoe_replicas else None, new_mailbox, hints, status)
+
+
+def consume_twoshot(
+    recv,  # [R, T, H/R] bf16: every rank's partial of this rank's column slice; polled, re-armed
+    gather,  # [1, T, H] bf16: the gather row; columns owned by other ranks are polled, re-armed
+    prefix,  # [T, H] bf16
+    blocks,  # [T, NB, H] bf16
+    norm,  # [H] bf16
+    query,  # [H] bf16
+    out_norm,  # [H] bf16
+    *,
+    me: int,
+    eps: float = 1e-6,
+    out_eps: float = 1e-6,
+    has_delta: bool = True,
+    groups: int = 1,
+    xmoe_replicas: int = 0,
+    published: bool = False,
+    spin_limit: int = DEFAULT_SPIN_LIMIT,
+    hints=None,
+    status=None,
+    pdl: bool = True,
+) -> CuteTwoshotResult:
+    """Twoshot: reduce this rank's slice of `recv` (rank order) into the gather row, then consume it.
+
+    `me` (static int) owns columns [me*H/R, (me+1)*H/R). On one GPU the gather target is the
+    gather row itself; the other ranks' columns must already be (or later get) published there.
+    """
+    dims = check_arguments(gather, prefix, blocks, norm, query, out_norm, eps=eps, out_eps=out_eps,
+                           has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas)
+    if dims.R != 1:
+        raise ValueError(f"gather: expected the one-slot gather row [1, T, H], got shape {tuple(gather.shape)}")
+    if not hasattr(recv, "shape") or jnp.dtype(recv.dtype) != jnp.bfloat16 or len(recv.shape) != 3:
+        raise TypeError(f"recv: expected a bf16 array [R, T, H/R], got {getattr(recv, 'shape', type(recv))}")
+    R, T, cols = (int(d) for d in recv.shape)
+    if T != dims.T or R < 1 or R * cols != dims.H:
+        raise ValueError(f"recv: expected shape [R, T, H/R] with T={dims.T}, R*H/R = H = {dims.H}, "
+                         f"got {tuple(recv.shape)}")
+    if isinstance(me, bool) or not isinstance(me, (int, np.integer)) or not 0 <= me < R:
+        raise ValueError(f"me: expected a static int with 0 <= me < R = {R}, got {me!r}")
+    spin_limit = _check_spin_limit(spin_limit)
+    _check_concrete_platform(recv, gather, prefix)
+    key = kernel_key(R, dims.NB, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas, twoshot=True)
+    reason = unsupported_reason(Dims(R, dims.T, dims.NB, dims.H), has_delta=bool(has_delta), groups=groups,
+                                xmoe_replicas=xmoe_replicas, twoshot=True)
+    if reason:
+        raise ValueError(f"backend 'cute' cannot run this call: {reason}")
+    kernel = _kernel(key)
+    hints, status = _flags(hints, status)
+    if not published:
+        recv, gather = without_negative_zero(recv), without_negative_zero(gather)
+    ffi.register_targets()
+    out_types = _out_types(gather, prefix, xmoe_replicas, hints, status) + [jax.ShapeDtypeStruct(recv.shape, recv.dtype)]
+    call = jax.ffi.ffi_call(ffi.TWOSHOT_TARGET, out_types, input_output_aliases={**_ALIASES, 8: 6})
+    out = call(gather, prefix, blocks, norm, query, out_norm, hints, status, recv,
+               **_attributes(kernel, eps, out_eps, spin_limit, pdl), me=np.int32(me))
+    new_gather, new_prefix, output, xmoe, hints, status, new_recv = out
+    return CuteTwoshotResult(new_prefix, output, xmoe if xmoe_replicas else None, new_gather, new_recv, hints, status)
+
+
+def check_status(status) -> None:
+    """Raises RuntimeError if the kernel's status word (a [1] i32 result) reports that polling gave up.
+
+    Reading it waits for the call to finish (a device -> host copy).
+    """
+    code = int(np.asarray(status).reshape(-1)[0])
+    if code != 0:
+        what = _STATUS.get(code, "unknown code")
+        raise RuntimeError(f"CuTe consumer: polling gave up (status {code}: {what}): a slot was not published "
+                           "within spin_limit polling rounds; the outputs of that call are not valid")

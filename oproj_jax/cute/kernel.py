@@ -1,0 +1,451 @@
+"""The consumer kernel in CuTe DSL: our port of the seed's OprojConsumer (SPEC.md, seed page).
+
+One token per cluster of 7 CTAs (grid (7, T)), 128 * groups threads per CTA. Thread i of
+group 0 in CTA c owns the 8 contiguous elements h = (c*128 + i)*8 .. +7 of the hidden row.
+
+Timeline of one CTA:
+  all      init the two exchange mbarriers, cluster arrive, PDL trigger, PDL wait
+  group 0  cp.async its slices of norm, query, out_norm, prefix (has_delta), blocks -> smem;
+           issues the first polling loads of its rank slots; block statistics (|b|^2, b.w),
+           warp reduce-scatter, 4 warps via smem, 7 CTAs via st.async (DSMEM); block softmax
+           kept unnormalized (max, sum, mix)
+  group g  polls ranks g*S .. g*S+S-1 (S = ceil(R/G)), sums them in rank order, hands the
+           f32 partial sum to group 0 through smem (named barrier 2), re-arms its slots
+  group 0  sums its slots, then adds group 1, 2, ... in group order (the prefix bits), rounds,
+           writes prefix, re-arms; 4 row dots -> second DSMEM exchange; the seed's quadratic
+           form (eps scaled by den^2); writes output, xmoe replicas (-0 -> +0), hints.
+
+PDL: `griddepcontrol.launch_dependents` on entry; `griddepcontrol.wait` right after the
+shared-memory setup and BEFORE the first global read. The seed waits at exit, which is only
+safe when every input it reads early arrives through the polled mailbox; under XLA the
+previous kernel writes prefix, blocks and the mailbox with ordinary stores, and PDL gives no
+visibility of those before the wait. The launch latency and setup still overlap the previous
+kernel; the later `wait` the seed has at exit is then a no-op and is left out.
+
+Bounded polling: with spin_limit > 0 a poll gives up after that many rounds, stores a code
+into `status` (1: mailbox, 2: twoshot receive slots) and continues with whatever it read.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+
+from oproj_jax.cute import primitives as P
+
+CTAS = 7  # cluster: the CTAs of one token
+THREADS = 128  # per group; one group covers 1/7 of the row
+VEC = 8  # bf16 elements per thread (16 bytes)
+ROW_BYTES = THREADS * VEC * 2  # one CTA's slice of one [H] row in smem
+STATUS_MAILBOX, STATUS_RECV = 1, 2
+TWOSHOT_CHUNK = 8  # recv slots polled at once by a twoshot reducer thread
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Layout:
+    """Static shared-memory layout (byte offsets) of one variant."""
+
+    def __init__(self, nb: int, poll_groups: int):
+        self.bar = 0  # 2 x u64 mbarriers: block stats exchange, row dots exchange
+        self.wpre = 16  # [4 warps, 16] f32
+        self.pre = self.wpre + 4 * 16 * 4  # [7 CTAs, 16] f32 (written by peers)
+        self.blk = self.pre + CTAS * 16 * 4  # [16] f32
+        self.post = self.blk + 16 * 4  # [7 CTAs, 4 warps, 4] f32 (written by peers)
+        self.total = self.post + CTAS * 4 * 4 * 4  # [4] f32
+        self.rows = 4 + nb  # norm, query, out_norm, prefix, blocks 0..NB-1
+        self.pf = _ceil_div(self.total + 16, 128) * 128  # [rows, 128 threads, 16 B]
+        self.parts = self.pf + self.rows * ROW_BYTES  # [groups-1, 2 halves, 128, 4] f32
+        self.size = self.parts + max(0, poll_groups - 1) * 2 * THREADS * 16
+
+
+class OprojConsumer:
+    """Static variant: R ranks, NB blocks, has_delta, groups, xmoe replicas, twoshot; H fixed."""
+
+    def __init__(self, R: int, NB: int, *, has_delta: bool, groups: int, xmoe_replicas: int,
+                 twoshot: bool, H: int = 7168):
+        if not 1 <= R <= 16:
+            raise ValueError(f"R: expected 1 <= R <= 16, got {R}")
+        if not 0 <= NB <= 8:
+            raise ValueError(f"NB: expected 0 <= NB <= 8, got {NB}")
+        if not 1 <= groups <= 4:
+            raise ValueError(f"groups: expected 1 <= groups <= 4, got {groups}")
+        if not 0 <= xmoe_replicas <= 8:
+            raise ValueError(f"xmoe_replicas: expected 0..8, got {xmoe_replicas}")
+        if H != CTAS * THREADS * VEC:
+            raise ValueError(f"H: the kernel covers H = {CTAS * THREADS * VEC}, got {H}")
+        if twoshot and (H // R) % VEC:
+            raise ValueError(f"R: twoshot needs H/R to be a multiple of {VEC}, got R={R}")
+        self.R, self.NB, self.has_delta, self.groups = R, NB, has_delta, groups
+        self.reps, self.twoshot, self.H = xmoe_replicas, twoshot, H
+        slots = 1 if twoshot else R  # mailbox slots this kernel polls
+        self.slots = slots
+        self.S = _ceil_div(slots, groups)  # slots per polling group
+        self.poll_groups = _ceil_div(slots, self.S)  # groups that own at least one slot
+        self.kpre = 1 << max(0, (2 * NB - 1).bit_length())  # block stats, padded to 2^k
+        self.npost = 4 if NB > 0 else 1  # row dots of the second exchange
+        self.layout = Layout(NB, self.poll_groups)
+        self.threads = THREADS * groups
+        self.raw_slots = max(self.S, min(R, TWOSHOT_CHUNK) if twoshot else 1)
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.layout.size
+
+    # ---- small pieces (plain Python: straight-line PTX, traced inline) -------------------
+
+    def fragment(self, smem, row, t):  # 8 f32 from one 16-byte smem chunk
+        words = P.lds4(smem + self.layout.pf + row * ROW_BYTES + t * 16)
+        out = []
+        for w in words:
+            out.extend(P.unpack(w))
+        return out
+
+    def sum_slots(self, raw, n: int):  # rank-order f32 sum of n polled fragments
+        values = []
+        for j in range(4):
+            lo, hi = P.unpack(raw[j])
+            for k in range(1, n):
+                a, b = P.unpack(raw[4 * k + j])
+                lo, hi = P.add_rn(lo, a), P.add_rn(hi, b)
+            values.extend((lo, hi))
+        return values
+
+    @staticmethod
+    def reduce_scatter(values, size: int, lane):
+        """Warp-reduce `size` values (a power of two); lane holds the total number `idx`.
+
+        Each butterfly step halves the live values: the lower half of the lanes keeps the
+        low values and sends the high ones, the upper half the reverse. Lanes with
+        (lane & (32/size - 1)) == 0 end up holding distinct totals.
+        """
+        values = list(values)
+        for shift in range(4, -1, -1):
+            live = max(1, size >> (4 - shift))
+            half = max(1, live // 2)
+            if live == 1:
+                values[0] = P.add_rn(values[0], P.shfl_bfly(values[0], 1 << shift))
+            else:
+                upper = lane & (1 << shift)
+                for j in range(half):
+                    send = P.select_f32(upper, values[j], values[j + half])
+                    keep = P.select_f32(upper, values[j + half], values[j])
+                    values[j] = P.add_rn(keep, P.shfl_bfly(send, 1 << shift))
+                values = values[:half]
+        idx = Int32(0)
+        for shift in range(4, -1, -1):
+            width = size >> (4 - shift)
+            if width > 1:
+                idx = idx + ((lane >> shift) & 1) * (width // 2)
+        return values[0], idx
+
+    # ---- polling (dynamic loop) -----------------------------------------------------------
+
+    @cute.jit
+    def poll(self, raw, base: Int64, stride: Int64, n: cutlass.Constexpr[int],
+             loaded: cutlass.Constexpr[bool], spin_limit: Int32, status: Int64,
+             code: cutlass.Constexpr[int]):
+        """Poll n slot fragments (base + k*stride) into raw[4k..4k+3] until none is empty."""
+        if cutlass.const_expr(not loaded):
+            for k in cutlass.range_constexpr(n):
+                first = P.ld_poll4(base + k * stride)
+                for j in cutlass.range_constexpr(4):
+                    raw[4 * k + j] = first[j]
+        pending = Int32(0)
+        for k in cutlass.range_constexpr(n):
+            pending = pending | P.pending_bit([raw[4 * k + j] for j in range(4)], 1 << k)
+        rounds = Int32(0)
+        while pending != 0:
+            for k in cutlass.range_constexpr(n):
+                fresh = P.ld_poll4_if(pending & (1 << k), base + k * stride,
+                                      [raw[4 * k + j] for j in range(4)])
+                for j in cutlass.range_constexpr(4):
+                    raw[4 * k + j] = fresh[j]
+            left = Int32(0)
+            for k in cutlass.range_constexpr(n):
+                left = left | P.pending_bit([raw[4 * k + j] for j in range(4)], 1 << k)
+            rounds = rounds + 1
+            if (spin_limit > 0) & (rounds >= spin_limit):
+                P.store_status(status, Int32(code))
+                left = Int32(0)
+            pending = left
+
+    @cute.jit
+    def twoshot_reduce(self, raw, recv: Int64, gather: Int64, me: Int32, T: Int32, token: Int32,
+                       h: Int32, spin_limit: Int32, status: Int64):
+        """Threads owning columns of slice `me`: sum every rank's partial (rank order), store
+        the bf16 sum (-0 -> +0) into the gather row, re-arm the receive slots."""
+        cols = self.H // self.R
+        if h // cols == me:
+            local = Int64(h - me * cols)
+            stride = Int64(T) * (cols * 2)
+            base = recv + (Int64(token) * cols + local) * 2
+            total = []
+            for first in cutlass.range_constexpr(0, self.R, TWOSHOT_CHUNK):
+                n = min(TWOSHOT_CHUNK, self.R - first)
+                self.poll(raw, base + first * stride, stride, n, False, spin_limit, status,
+                          STATUS_RECV)
+                part = self.sum_slots(raw, n)
+                if cutlass.const_expr(first == 0):
+                    total = part
+                else:
+                    total = [P.add_rn(a, b) for a, b in zip(total, part)]
+            words = [P.without_negative_zero(P.pack(total[2 * j], total[2 * j + 1]))
+                     for j in range(4)]
+            P.st4(gather + (Int64(token) * self.H + h) * 2, words)
+            for r in cutlass.range_constexpr(self.R):
+                P.rearm(base + r * stride)
+
+    # ---- the kernel -----------------------------------------------------------------------
+
+    @cute.jit
+    def body(self, mailbox: Int64, prefix: Int64, blocks: Int64, norm: Int64, query: Int64,
+             out_norm: Int64, output: Int64, xmoe: Int64, hints: Int64, status: Int64,
+             eps: Float32, out_eps: Float32, T: Int32, spin_limit: Int32, recv: Int64,
+             gather: Int64, me: Int32):
+        L, H, NB = self.layout, self.H, self.NB
+        rank, token, _ = cute.arch.block_idx()
+        thread, _, _ = cute.arch.thread_idx()
+        group, t = thread // THREADS, thread % THREADS
+        warp, lane = t // 32, t % 32
+
+        allocator = cutlass.utils.SmemAllocator()
+        smem = allocator.allocate(L.size, 128).toint()  # Int32 shared-window address
+        bar_pre, bar_post = smem + L.bar, smem + L.bar + 8
+        if thread == 0:
+            # each exchange: one arrival here, one per value this CTA delivers to itself
+            # (st.shared + arrive), and the bytes the 6 peers deliver by st.async
+            if cutlass.const_expr(NB > 0):
+                P.mbar_init(bar_pre, 1 + 2 * NB)
+            P.mbar_init(bar_post, 1 + 4 * self.npost)
+            P.fence_mbar_init()
+            if cutlass.const_expr(NB > 0):
+                P.mbar_arrive_expect_tx(bar_pre, (CTAS - 1) * 2 * NB * 4)
+            P.mbar_arrive_expect_tx(bar_post, (CTAS - 1) * 4 * self.npost * 4)
+        P.cluster_arrive_relaxed()
+        P.griddep_launch_dependents()
+        P.griddep_wait()  # before the first global read: see the module docstring
+
+        h = (rank * THREADS + t) * VEC
+        row = Int64(token) * H + h  # element offset of this thread's fragment in a [T, H] row
+        slot_stride = Int64(T) * (H * 2)  # bytes between mailbox slots
+        frag = mailbox + row * 2
+        raw = cute.make_rmem_tensor(cute.make_layout(4 * self.raw_slots), cutlass.Uint32)
+
+        first_slots = min(self.S, self.slots)
+        if group == 0:
+            # -- prefetch this thread's 16-byte slices into smem --------------------------
+            own = t * 16
+            if cutlass.const_expr(NB > 0):
+                P.cp_async16(smem + L.pf + 0 * ROW_BYTES + own, norm + Int64(h) * 2)
+                P.cp_async16(smem + L.pf + 1 * ROW_BYTES + own, query + Int64(h) * 2)
+            P.cp_async16(smem + L.pf + 2 * ROW_BYTES + own, out_norm + Int64(h) * 2)
+            if cutlass.const_expr(self.has_delta):
+                P.cp_async16(smem + L.pf + 3 * ROW_BYTES + own, prefix + row * 2)
+            for b in cutlass.range_constexpr(NB):
+                src = blocks + ((Int64(token) * NB + b) * H + h) * 2
+                P.cp_async16(smem + L.pf + (4 + b) * ROW_BYTES + own, src)
+            P.cp_async_commit()
+            if cutlass.const_expr(not self.twoshot):
+                for k in cutlass.range_constexpr(first_slots):  # first polling round, early
+                    words = P.ld_poll4(frag + k * slot_stride)
+                    for j in cutlass.range_constexpr(4):
+                        raw[4 * k + j] = words[j]
+        else:
+            for g in cutlass.range_constexpr(1, self.poll_groups):
+                if group == g:  # first polling round of group g's slots, early
+                    for k in cutlass.range_constexpr(min(self.S, self.slots - g * self.S)):
+                        words = P.ld_poll4(frag + (g * self.S + k) * slot_stride)
+                        for j in cutlass.range_constexpr(4):
+                            raw[4 * k + j] = words[j]
+        # every thread waits on the cluster barrier: ptxas lowers the wait to the cluster
+        # barrier plus a CTA-wide bar.sync 0 (peers' mbarriers are initialized after it)
+        P.cluster_wait()
+
+        if group == 0:
+            # -- block statistics and the unnormalized block softmax ------------------------
+            mix = [Float32(0.0)] * VEC
+            maximum, exp_sum, qpart = Float32(0.0), Float32(0.0), Float32(0.0)
+            P.cp_async_wait_all()  # each thread reads back only its own chunks: no barrier
+            if cutlass.const_expr(NB > 0):
+                nrm, qry = self.fragment(smem, 0, t), self.fragment(smem, 1, t)
+                weight = [P.mul_rn(a, b) for a, b in zip(nrm, qry)]
+                partial = [Float32(0.0)] * self.kpre
+                for b in cutlass.range_constexpr(NB):
+                    v = self.fragment(smem, 4 + b, t)
+                    partial[b] = P.dot8(v, v)
+                    partial[NB + b] = P.dot8(v, weight)
+                value, idx = self.reduce_scatter(partial, self.kpre, lane)
+                if ((lane & (32 // self.kpre - 1)) == 0) & (idx < 2 * NB):
+                    P.sts_f32(smem + L.wpre + (warp * 16 + idx) * 4, value)
+                P.bar_sync(1, THREADS)
+                if t < 2 * NB:
+                    s = P.lds_f32(smem + L.wpre + t * 4)
+                    for w in cutlass.range_constexpr(1, 4):
+                        s = P.add_rn(s, P.lds_f32(smem + L.wpre + (w * 16 + t) * 4))
+                    for peer in cutlass.range_constexpr(CTAS):
+                        P.put_f32(smem + L.pre + (rank * 16 + t) * 4, s, bar_pre, peer, rank)
+                P.mbar_wait_phase0(bar_pre)
+                if t < 2 * NB:
+                    sums = [P.lds_f32(smem + L.pre + t * 4), P.lds_f32(smem + L.pre + (16 + t) * 4)]
+                    for peer in cutlass.range_constexpr(2, CTAS):
+                        sums[peer % 2] = P.add_rn(sums[peer % 2],
+                                                  P.lds_f32(smem + L.pre + (peer * 16 + t) * 4))
+                    P.sts_f32(smem + L.blk + t * 4, P.add_rn(sums[0], sums[1]))
+                P.bar_sync(1, THREADS)
+                logits = []
+                for b in cutlass.range_constexpr(NB):
+                    sq = P.lds_f32(smem + L.blk + b * 4)
+                    dw = P.lds_f32(smem + L.blk + (NB + b) * 4)
+                    logits.append(P.mul_rn(dw, P.rstd(sq, eps, H)))
+                maximum = logits[0]
+                for b in cutlass.range_constexpr(1, NB):
+                    maximum = P.max_f32(maximum, logits[b])
+                exps = [P.exp_approx(P.add_rn(x, -maximum)) for x in logits]
+                exp_sum = exps[0]
+                for b in cutlass.range_constexpr(1, NB):
+                    exp_sum = P.add_rn(exp_sum, exps[b])
+                for b in cutlass.range_constexpr(NB):
+                    v = self.fragment(smem, 4 + b, t)
+                    mix = [P.fma_rn(exps[b], v[j], mix[j]) for j in range(VEC)]
+                qpart = P.dot8(mix, mix)
+
+            # -- rank sum: own slots, then the other groups' partial sums in group order ----
+            if cutlass.const_expr(self.twoshot):
+                self.twoshot_reduce(raw, recv, gather, me, T, token, h, spin_limit, status)
+            self.poll(raw, frag, slot_stride, first_slots, not self.twoshot, spin_limit, status,
+                      STATUS_MAILBOX)
+            attn = self.sum_slots(raw, first_slots)
+            if cutlass.const_expr(self.poll_groups > 1):
+                P.bar_sync(2, THREADS * self.poll_groups)
+                for g in cutlass.range_constexpr(1, self.poll_groups):
+                    for half in cutlass.range_constexpr(2):
+                        part = P.lds4_f32(smem + L.parts + (((g - 1) * 2 + half) * THREADS + t) * 16)
+                        for j in cutlass.range_constexpr(4):
+                            attn[4 * half + j] = P.add_rn(attn[4 * half + j], part[j])
+            p = []
+            if cutlass.const_expr(self.has_delta):
+                old = self.fragment(smem, 3, t)
+            for j in cutlass.range_constexpr(4):
+                lo, hi = P.unpack(P.pack(attn[2 * j], attn[2 * j + 1]))  # ROUND: bf16 partials
+                if cutlass.const_expr(self.has_delta):
+                    lo, hi = P.unpack(P.pack(P.add_rn(old[2 * j], lo), P.add_rn(old[2 * j + 1], hi)))
+                p.extend((lo, hi))
+
+            # -- row dots, second exchange ---------------------------------------------------
+            if cutlass.const_expr(NB > 0):
+                nrm, qry = self.fragment(smem, 0, t), self.fragment(smem, 1, t)
+                weight = [P.mul_rn(a, b) for a, b in zip(nrm, qry)]
+                dots = [P.dot8(mix, p), qpart, P.dot8(p, p), P.dot8(p, weight)]
+            else:
+                dots = [P.dot8(p, p)]
+            value, idx = self.reduce_scatter(dots, self.npost, lane)
+            spread = 32 // self.npost - 1  # lanes holding the same total: one peer each
+            if (lane & spread) < CTAS:
+                P.put_f32(smem + L.post + ((rank * 4 + warp) * 4 + idx) * 4, value, bar_post,
+                          lane & spread, rank)
+            P.st4(prefix + row * 2, [P.pack(p[2 * j], p[2 * j + 1]) for j in range(4)])
+            for k in cutlass.range_constexpr(first_slots):
+                P.rearm(frag + k * slot_stride)
+            P.mbar_wait_phase0(bar_post)
+            if t < self.npost:
+                sums = []
+                for w in cutlass.range_constexpr(4):
+                    s = P.lds_f32(smem + L.post + (w * 4 + t) * 4)
+                    for peer in cutlass.range_constexpr(1, CTAS):
+                        s = P.add_rn(s, P.lds_f32(smem + L.post + ((peer * 4 + w) * 4 + t) * 4))
+                    sums.append(s)
+                P.sts_f32(smem + L.total + t * 4,
+                          P.add_rn(P.add_rn(sums[0], sums[1]), P.add_rn(sums[2], sums[3])))
+            P.bar_sync(1, THREADS)
+
+            # -- AttnRes (streaming form) and the output RMSNorm -----------------------------
+            total = [P.lds_f32(smem + L.total + k * 4) for k in range(self.npost)]
+            gamma = self.fragment(smem, 2, t)
+            if cutlass.const_expr(NB > 0):
+                lp = P.mul_rn(total[3], P.rstd(total[2], eps, H))  # the prefix source's logit
+                mx = P.max_f32(maximum, lp)
+                alpha = P.exp_approx(P.add_rn(maximum, -mx))
+                ep = P.exp_approx(P.add_rn(lp, -mx))
+                den = P.fma_rn(alpha, exp_sum, ep)
+                quad = P.fma_rn(P.mul_rn(alpha, alpha), total[1],
+                                P.fma_rn(P.mul_rn(P.mul_rn(2.0, alpha), ep), total[0],
+                                         P.mul_rn(P.mul_rn(ep, ep), total[2])))
+                scale = P.rstd(quad, P.mul_rn(P.mul_rn(out_eps, den), den), H)
+                ca, cp = P.mul_rn(alpha, scale), P.mul_rn(ep, scale)
+                y = [P.fma_rn(ca, mix[j], P.mul_rn(cp, p[j])) for j in range(VEC)]
+            else:
+                cp = P.rstd(total[0], out_eps, H)
+                y = [P.mul_rn(cp, p[j]) for j in range(VEC)]
+            out = [P.mul_rn(y[j], gamma[j]) for j in range(VEC)]
+            words = [P.pack(out[2 * j], out[2 * j + 1]) for j in range(4)]
+            P.st4(output + row * 2, words)
+            if cutlass.const_expr(self.reps > 0):
+                clean = [P.without_negative_zero(w) for w in words]
+                for rep in cutlass.range_constexpr(self.reps):
+                    P.st4_relaxed_gpu(xmoe + (Int64(rep) * T * H + row) * 2, clean)
+                P.sync_warp()
+                if lane == 0:
+                    P.release_add(hints, 1)
+        else:
+            for g in cutlass.range_constexpr(1, self.poll_groups):
+                if group == g:
+                    n = min(self.S, self.slots - g * self.S)
+                    base = frag + (g * self.S) * slot_stride
+                    self.poll(raw, base, slot_stride, n, True, spin_limit, status,
+                              STATUS_MAILBOX)
+                    values = self.sum_slots(raw, n)
+                    for half in cutlass.range_constexpr(2):
+                        P.sts4_f32(smem + L.parts + (((g - 1) * 2 + half) * THREADS + t) * 16,
+                                   values[4 * half: 4 * half + 4])
+                    P.bar_arrive(2, THREADS * self.poll_groups)
+                    for k in cutlass.range_constexpr(n):
+                        P.rearm(base + k * slot_stride)
+
+    @cute.kernel
+    def kernel_oneshot(self, mailbox: cute.Pointer, prefix: cute.Pointer, blocks: cute.Pointer,
+                       norm: cute.Pointer, query: cute.Pointer, out_norm: cute.Pointer,
+                       output: cute.Pointer, xmoe: cute.Pointer, hints: cute.Pointer,
+                       status: cute.Pointer, eps: Float32, out_eps: Float32, T: Int32,
+                       spin_limit: Int32):
+        self.body(mailbox.toint(), prefix.toint(), blocks.toint(), norm.toint(), query.toint(),
+                  out_norm.toint(), output.toint(), xmoe.toint(), hints.toint(), status.toint(),
+                  eps, out_eps, T, spin_limit, Int64(0), Int64(0), Int32(0))
+
+    @cute.kernel
+    def kernel_twoshot(self, mailbox: cute.Pointer, prefix: cute.Pointer, blocks: cute.Pointer,
+                       norm: cute.Pointer, query: cute.Pointer, out_norm: cute.Pointer,
+                       output: cute.Pointer, xmoe: cute.Pointer, hints: cute.Pointer,
+                       status: cute.Pointer, eps: Float32, out_eps: Float32, T: Int32,
+                       spin_limit: Int32, recv: cute.Pointer, gather: cute.Pointer, me: Int32):
+        self.body(mailbox.toint(), prefix.toint(), blocks.toint(), norm.toint(), query.toint(),
+                  out_norm.toint(), output.toint(), xmoe.toint(), hints.toint(), status.toint(),
+                  eps, out_eps, T, spin_limit, recv.toint(), gather.toint(), me)
+
+    def _launch_config(self, T, stream):
+        return dict(grid=[CTAS, T, 1], block=[self.threads, 1, 1], cluster=[CTAS, 1, 1],
+                    smem=self.smem_bytes, stream=stream, use_pdl=True)
+
+    @cute.jit
+    def launch_oneshot(self, mailbox: cute.Pointer, prefix: cute.Pointer, blocks: cute.Pointer,
+                       norm: cute.Pointer, query: cute.Pointer, out_norm: cute.Pointer,
+                       output: cute.Pointer, xmoe: cute.Pointer, hints: cute.Pointer,
+                       status: cute.Pointer, eps: Float32, out_eps: Float32, T: Int32,
+                       spin_limit: Int32, stream):
+        self.kernel_oneshot(mailbox, prefix, blocks, norm, query, out_norm, output, xmoe, hints,
+                            status, eps, out_eps, T, spin_limit).launch(
+            **self._launch_config(T, stream))
+
+    @cute.jit
+    def launch_twoshot(self, mailbox: cute.Pointer, prefix: cute.Pointer, blocks: cute.Pointer,
+                       norm: cute.Pointer, query: cute.Pointer, out_norm: cute.Pointer,
+                       output: cute.Pointer, xmoe: cute.Pointer, hints: cute.Pointer,
+                       status: cute.Pointer, eps: Float32, out_eps: Float32, T: Int32,
+                       spin_limit: Int32, recv: cute.Pointer, gather: cute.Pointer, me: Int32,
+                       stream):
+        self.kernel_twoshot(mailbox, prefix, blocks, norm, query, out_norm, output, xmoe, hints,
+                            status, eps, out_eps, T, spin_limit, recv, gather, me).launch(
+            **self._launch_config(T, stream))

@@ -1,0 +1,142 @@
+"""CPU checks of the CuTe AOT build: cubins, entry names, the kernel ABI, the manifest.
+
+Compiles a few variants (about 2-5 s each on 2 cores) into a temporary directory once per
+module; skipped with the reason where the CuTe DSL is not importable.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from oproj_jax.cute import manifest as M
+
+# (R, NB, has_delta, groups, xmoe_replicas, twoshot): production shape, an uneven split
+# (R=16 over 3 groups), R < groups, no blocks, xmoe, and a twoshot variant.
+KEYS = [
+    M.make_key(16, 8, True, 4, 0, False),
+    M.make_key(16, 0, False, 3, 1, False),
+    M.make_key(2, 1, True, 4, 0, False),
+    M.make_key(16, 1, False, 1, 0, True),
+]
+ONESHOT_PARAMS = [".u64"] * 10 + [".f32", ".f32", ".u32", ".u32"]  # CUTE_ABI.md 0..13
+TWOSHOT_PARAMS = ONESHOT_PARAMS + [".u64", ".u64", ".u32"]  # 14 recv, 15 gather, 16 me
+
+
+def _dsl_missing_reason():
+    try:
+        import cutlass.cute  # noqa: F401
+    except Exception as err:  # the DSL raises more than ImportError when its libs are absent
+        return f"CuTe DSL not importable ({type(err).__name__}: {err}); pip install oproj-jax[cute]"
+    return None
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    reason = _dsl_missing_reason()
+    if reason:
+        pytest.skip(reason)
+    from oproj_jax.cute import build
+
+    out = tmp_path_factory.mktemp("cubins")
+    build.build_cubins(out, KEYS, jobs=2)
+    return out, M.load_manifest(out)
+
+
+def _elf_symbols(data: bytes) -> set[bytes]:
+    """Names in the ELF64 .symtab of a cubin (parsed here, independent of the builder)."""
+    import struct
+
+    assert data[:4] == b"\x7fELF" and data[4] == 2  # 64-bit ELF
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    names = set()
+    for sh in sections:
+        if sh[1] == 2:  # SHT_SYMTAB
+            strtab = sections[sh[6]]
+            for off in range(sh[4], sh[4] + sh[5], sh[9]):
+                name_off = struct.unpack_from("<I", data, off)[0]
+                start = strtab[4] + name_off
+                names.add(data[start: data.index(b"\0", start)])
+    return names
+
+
+def test_manifest_lists_every_key_once(built):
+    out, manifest = built
+    assert manifest["arch"] == "sm_90a" and manifest["H"] == 7168
+    assert sorted(json.dumps(e["key"], sort_keys=True) for e in manifest["kernels"]) == sorted(
+        json.dumps(k, sort_keys=True) for k in KEYS)
+
+
+@pytest.mark.parametrize("key", KEYS, ids=M.describe)
+def test_cubin_is_elf_with_the_manifest_entry(built, key):
+    out, manifest = built
+    entry = M.find(manifest, key)
+    assert entry is not None
+    data = M.cubin_path(manifest, entry).read_bytes()
+    assert data[:4] == b"\x7fELF"
+    assert entry["entry"].encode() in _elf_symbols(data)
+
+
+@pytest.mark.parametrize("key", KEYS, ids=M.describe)
+def test_params_block_cluster_smem_follow_the_abi(built, key):
+    _, manifest = built
+    entry = M.find(manifest, key)
+    assert entry["params"] == (TWOSHOT_PARAMS if key["twoshot"] else ONESHOT_PARAMS)
+    assert entry["block"] == [128 * key["groups"], 1, 1]
+    assert entry["cluster"] == [7, 1, 1]
+    # at least the prefetched rows (norm, query, out_norm, prefix, blocks: 2 KiB per CTA each)
+    assert entry["dynamic_smem_bytes"] >= (4 + key["NB"]) * 2048
+    assert entry["dynamic_smem_bytes"] <= 227 * 1024  # the sm_90 per-block opt-in limit
+
+
+def test_ptx_params_parser_reads_the_entry_signature():
+    from oproj_jax.cute.build import ptx_params
+
+    ptx = (".visible .entry k(\n\t.param .u64 .ptr .global .align 16 k_param_0,\n"
+           "\t.param .f32 k_param_1,\n\t.param .u32 k_param_2\n)\n{\n\t.param .b32 x;\n}")
+    assert ptx_params(ptx) == [".u64", ".f32", ".u32"]
+
+
+def test_find_unknown_variant_is_none(built):
+    _, manifest = built
+    assert M.find(manifest, M.make_key(16, 7, True, 4, 5, False)) is None
+
+
+@pytest.mark.parametrize(
+    "key, error, words",
+    [
+        ({"R": 16, "NB": 8}, ValueError, "missing"),
+        ({**KEYS[0], "H": 7168}, ValueError, "unexpected"),
+        ({**KEYS[0], "has_delta": 1}, TypeError, "has_delta"),
+        ({**KEYS[0], "groups": 4.0}, TypeError, "groups"),
+        ([16, 8, True, 4, 0, False], TypeError, "dict"),
+    ],
+)
+def test_bad_keys_raise_clearly(key, error, words):
+    manifest = {"arch": "sm_90a", "H": 7168, "kernels": [], "dir": "."}
+    with pytest.raises(error, match=words):
+        M.find(manifest, key)
+
+
+def test_missing_manifest_says_how_to_build(tmp_path):
+    with pytest.raises(FileNotFoundError, match="oproj_jax.cute.build"):
+        M.load_manifest(tmp_path)
+
+
+def test_env_dir_overrides_the_package_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv(M.ENV_DIR, str(tmp_path))
+    assert M.default_dir() == tmp_path
+    monkeypatch.delenv(M.ENV_DIR)
+    assert M.default_dir().name == "cubins" and M.default_dir().parent.name == "cute"
+
+
+def test_importing_the_package_does_not_import_the_dsl():
+    import subprocess
+    import sys
+
+    code = "import sys, oproj_jax.cute, oproj_jax.cute.manifest; print('cutlass' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"

@@ -1,0 +1,161 @@
+"""backend="cute" without a GPU: the FFI library builds, calls lower to our custom_call for CUDA,
+and the backend says clearly why it cannot run here.
+
+The lowering tests use a fake manifest (any bytes as "cubin"): lowering never reads the cubin,
+only the manifest entry's path, entry name, shared memory and block size.
+"""
+
+import ctypes
+import functools
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import oproj_jax
+from oproj_jax import configs, ffi, reference
+from oproj_jax.api import Dims
+from oproj_jax.cute import backend
+
+H = configs.HIDDEN
+ONESHOT_KEY = dict(R=2, NB=1, has_delta=True, groups=2, xmoe_replicas=1, twoshot=False)
+TWOSHOT_KEY = dict(R=2, NB=0, has_delta=False, groups=1, xmoe_replicas=0, twoshot=True)
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory):
+    """The library, built with g++ into a temporary directory (takes ~20 s)."""
+    return ffi.build_library(tmp_path_factory.mktemp("lib"))
+
+
+@pytest.fixture
+def fake_cubins(tmp_path, monkeypatch, library):
+    kernels = []
+    for i, key in enumerate((ONESHOT_KEY, TWOSHOT_KEY)):
+        (tmp_path / f"variant{i}.cubin").write_bytes(b"not a cubin: lowering never opens it")
+        kernels.append(dict(key=key, cubin=f"variant{i}.cubin", entry=f"kernel_entry_{i}",
+                            dynamic_smem_bytes=40000 + i, block=[128 * key["groups"], 1, 1], cluster=[7, 1, 1],
+                            params=[".u64"] * (17 if key["twoshot"] else 14)))
+    (tmp_path / "manifest.json").write_text(json.dumps(dict(arch="sm_90a", cutlass_dsl="4.8.1", H=H, kernels=kernels)))
+    monkeypatch.setenv("OPROJ_JAX_CUBIN_DIR", str(tmp_path))
+    monkeypatch.setenv("OPROJ_JAX_FFI_LIBRARY", str(library))
+    return tmp_path
+
+
+def spec(*shape):
+    return jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+
+
+def lower_for_cuda(fn, *args) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def custom_calls(text: str, target: str) -> list[str]:
+    return [line for line in text.splitlines() if f"stablehlo.custom_call @{target}(" in line]
+
+
+def test_library_builds_and_exports_the_handlers(library):
+    lib = ctypes.CDLL(str(library))
+    for initialize, execute in ffi.SYMBOLS.values():
+        assert getattr(lib, initialize) and getattr(lib, execute)  # AttributeError if not exported
+
+
+def test_oneshot_lowers_to_our_custom_call(fake_cubins):
+    fn = functools.partial(backend.consume, eps=1e-6, out_eps=1e-5, has_delta=True, groups=2, xmoe_replicas=1,
+                           spin_limit=77)
+    text = lower_for_cuda(fn, spec(2, 3, H), spec(3, H), spec(3, 1, H), spec(H), spec(H), spec(H))
+    (call,) = custom_calls(text, ffi.ONESHOT_TARGET)
+    for attribute in (f'cubin = "{fake_cubins / "variant0.cubin"}"', 'entry = "kernel_entry_0"',
+                      "smem = 40000 : i64", "block = 256 : i64", "spin_limit = 77 : i32", "pdl = true",
+                      "eps = 9.99999997E-7 : f32", "out_eps = 9.99999974E-6 : f32"):
+        assert attribute in call, attribute
+    # mailbox, prefix, hints, status are updated in place: operand -> result aliases
+    aliases = set(re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", call))
+    assert aliases == {("0", "0"), ("1", "1"), ("4", "6"), ("5", "7")}
+    assert "(tensor<2x3x7168xbf16>, tensor<3x7168xbf16>, tensor<3x7168xbf16>, tensor<1x3x7168xbf16>, " \
+           "tensor<1xui32>, tensor<1xi32>)" in call  # results: mailbox, prefix, output, xmoe, hints, status
+    assert "compare  EQ" in text or "compare EQ" in text, "the mailbox is sanitized (-0.0 -> +0.0) first"
+
+
+def test_published_mailbox_goes_straight_to_the_kernel(fake_cubins):
+    fn = functools.partial(backend.consume, eps=1e-6, out_eps=1e-6, has_delta=True, groups=2, xmoe_replicas=1,
+                           published=True)
+    text = lower_for_cuda(fn, spec(2, 3, H), spec(3, H), spec(3, 1, H), spec(H), spec(H), spec(H))
+    (call,) = custom_calls(text, ffi.ONESHOT_TARGET)
+    assert "compare" not in text and "select" not in text
+    assert "custom_call @oproj_cute_consumer(%arg0," in call  # the caller's buffer itself
+    assert f"spin_limit = {backend.DEFAULT_SPIN_LIMIT} : i32" in call
+
+
+def test_registry_consumer_never_spins(fake_cubins):
+    fn = functools.partial(backend.consumer, eps=1e-6, out_eps=1e-6, has_delta=True, groups=2, xmoe_replicas=1)
+    text = lower_for_cuda(fn, spec(2, 3, H), spec(3, H), spec(3, 1, H), spec(H), spec(H), spec(H))
+    (call,) = custom_calls(text, ffi.ONESHOT_TARGET)
+    assert "spin_limit = 0 : i32" in call  # sanitized data: every slot is published
+
+
+def test_twoshot_lowers_to_our_custom_call(fake_cubins):
+    fn = functools.partial(backend.consume_twoshot, me=1, has_delta=False, groups=1, xmoe_replicas=0)
+    text = lower_for_cuda(fn, spec(2, 5, H // 2), spec(1, 5, H), spec(5, H), spec(5, 0, H), spec(H), spec(H),
+                          spec(H))
+    (call,) = custom_calls(text, ffi.TWOSHOT_TARGET)
+    assert "me = 1 : i32" in call and 'entry = "kernel_entry_1"' in call and "block = 128 : i64" in call
+    aliases = set(re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", call))
+    assert aliases == {("0", "0"), ("1", "1"), ("4", "6"), ("5", "7"), ("6", "8")}
+
+
+def test_twoshot_rejects_bad_rank_and_recv(fake_cubins):
+    args = [jnp.zeros(s, jnp.bfloat16) for s in ((2, 5, H // 2), (1, 5, H), (5, H), (5, 0, H), (H,), (H,), (H,))]
+    with pytest.raises(ValueError, match="me: expected"):
+        backend.consume_twoshot(*args, me=2, has_delta=False)
+    with pytest.raises(ValueError, match="recv: expected shape"):
+        backend.consume_twoshot(jnp.zeros((2, 5, 100), jnp.bfloat16), *args[1:], me=0, has_delta=False)
+
+
+def test_sanitizing_removes_every_sentinel_word():
+    """XLA data may hold (+0.0, -0.0) pairs: the 32-bit word the kernel reads as 'empty'."""
+    rng = np.random.default_rng(0)
+    bits = rng.integers(0, 1 << 16, size=(4, 3, 512), dtype=np.uint16)
+    bits[..., 0::2][rng.random((4, 3, 256)) < 0.3] = 0x0000
+    bits[..., 1::2][rng.random((4, 3, 256)) < 0.3] = 0x8000
+    words = bits.view(np.uint32)
+    assert (words == 0x80000000).sum() > 50
+    x = jnp.asarray(bits).view(jnp.bfloat16)
+    clean = np.asarray(jax.jit(reference.without_negative_zero)(x)).view(np.uint16)
+    assert not (clean.view(np.uint32) == 0x80000000).any()
+    changed = bits != clean
+    assert (bits[changed] == 0x8000).all() and (clean[changed] == 0).all()  # only -0.0 -> +0.0
+
+
+def test_unavailable_reasons(monkeypatch, tmp_path):
+    assert "CUDA" in backend.unavailable_reason("cpu") and "'cpu'" in backend.unavailable_reason("cpu")
+    monkeypatch.setattr(backend, "_is_cuda", lambda platform: True)  # pretend: what else is checked
+    monkeypatch.setenv("OPROJ_JAX_FFI_LIBRARY", str(tmp_path / "missing.so"))
+    reason = backend.unavailable_reason("gpu")
+    assert "not built" in reason and ffi.BUILD_COMMAND in reason
+    (tmp_path / "missing.so").write_bytes(b"")
+    monkeypatch.setenv("OPROJ_JAX_CUBIN_DIR", str(tmp_path / "no_cubins"))
+    reason = backend.unavailable_reason("gpu")
+    assert "manifest" in reason and "python -m oproj_jax.build" in reason
+
+
+def test_unsupported_reasons(fake_cubins):
+    assert backend.unsupported_reason(Dims(2, 3, 1, 4096), **{k: ONESHOT_KEY[k] for k in
+                                                             ("has_delta", "groups", "xmoe_replicas")}).startswith(
+        "the CuTe cubins are built for H = 7168")
+    assert backend.unsupported_reason(Dims(2, 3, 1, H), has_delta=True, groups=2, xmoe_replicas=1) is None
+    reason = backend.unsupported_reason(Dims(16, 3, 8, H), has_delta=True, groups=4, xmoe_replicas=0)
+    assert "R=16 NB=8 has_delta=True groups=4 xmoe_replicas=0 twoshot=False" in reason
+    assert "python -m oproj_jax.cute.build --key 16,8,1,4,0,0" in reason
+
+
+def test_cute_on_cpu_raises_through_the_public_api():
+    x = configs.make_inputs(configs.Config(2, 1, 0, groups=1))
+    args = [x[k] for k in ("mailbox", "prefix", "blocks", "norm", "query", "out_norm")]
+    with pytest.raises(ValueError, match="backend='cute' cannot run here: the CuTe kernel runs on NVIDIA CUDA"):
+        oproj_jax.consumer(*[jnp.asarray(a) for a in args], groups=1, backend="cute")
+    with pytest.raises(ValueError, match="backend 'cute' cannot run here"):
+        backend.consume(*[jnp.asarray(a) for a in args], groups=1, has_delta=True)
