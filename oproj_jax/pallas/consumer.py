@@ -1,0 +1,303 @@
+"""The consumer as one Pallas Mosaic GPU kernel (`plgpu.kernel`), interpret mode off the GPU.
+
+One pass over memory per token: the kernel streams the R mailbox rows, the old prefix and the
+NB blocks of a token through a ring of shared-memory slots (TMA, a row viewed as [H/256, 256]),
+sums the ranks in f32 in the seed's group order, writes the bf16 prefix back in place (the
+prefix is a mutable Ref, so the call aliases it: no copy in decode loops), folds the sources
+into an online softmax (running max, denominator and mix, all f32), and stores the RMS-normed
+output and its -0-free replicas. Grid (T,): one CTA (one warpgroup) per token.
+
+With split > 1 a cluster of `split` CTAs shares a token (each owns H/split columns): all rows
+of its slice stay resident in shared memory, and the row reductions (s.w and s.s of the NB + 1
+sources, then y.y) are combined across the cluster in two exchange rounds through distributed
+shared memory, behind `barrier.cluster` (release/acquire). Every CTA adds the partial sums in
+CTA order, so all CTAs of a token use identical scalars. Interpret mode has no cluster memory,
+so the CPU runs split=1; the cluster path is checked by benchmarks/pallas_smoke.py on the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from oproj_jax.api import ConsumerResult, Dims
+
+KERNEL_NAME = "oproj_consumer_pallas"  # the name the lowered module carries (tests look for it)
+LANES = 256  # TMA boxes take at most 256 elements per dimension: a row is [H / 256, 256]
+RING = 4  # split == 1: shared-memory slots in flight per CTA (each one row of H bf16)
+SPLIT = 7  # CTAs (one cluster) per token at small T: 7168 = 7 x 4 x 256
+SPLIT_MAX_T = 0  # up to this many tokens; 0 = off: the cluster path is not yet verified on the GPU
+EXCHANGE = 128  # f32 slots per cluster exchange round (>= 2 * (NB + 1); one per thread)
+
+f32, bf16 = jnp.float32, jnp.bfloat16
+
+
+def unavailable_reason(platform: str) -> str | None:
+    if platform in ("gpu", "cuda"):
+        return None
+    if platform == "cpu":
+        return None  # the same kernel in Mosaic GPU interpret mode
+    return f"the Pallas Mosaic GPU kernel runs on CUDA GPUs (or interpreted on CPU), not on {platform!r}"
+
+
+def unsupported_reason(dims: Dims, **options) -> str | None:
+    if dims.H % LANES:
+        return f"the Pallas kernel views a row as [H/{LANES}, {LANES}] for TMA: needs H % {LANES} == 0, got H={dims.H}"
+    return None
+
+
+def _interpret() -> bool:
+    return jax.default_backend() != "gpu"
+
+
+def _rows(R, NB, has_delta):
+    """The rows one token streams, in consumption order: ("mailbox", r), ("prefix",), ("block", b)."""
+    return [("mailbox", r) for r in range(R)] + ([("prefix", 0)] if has_delta else []) + [("block", b) for b in range(NB)]
+
+
+def _cluster_ptx(ptx: str):
+    """Inline PTX run by every thread of the CTA (cluster barriers: all threads take part)."""
+
+    @plgpu.inline_mgpu()
+    def emit(ctx):
+        del ctx
+        mgpu_utils.inline_ptx(ptx, has_side_effects=True)
+
+    emit()
+
+
+def _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, reps, ring, split):
+    """The kernel body and its scratch. `split` CTAs (a cluster) share a token's row of H
+    columns; with split > 1 every row of the token stays resident in shared memory and the row
+    reductions are combined across the cluster through distributed shared memory."""
+    C = H // LANES // split  # [C, 256] columns per CTA
+    rows = _rows(R, NB, has_delta)
+    ring = len(rows) if split > 1 else min(ring, len(rows))
+    per_group = -(-R // groups)
+
+    def body(mailbox, prefix, blocks, norm, query, out_norm, *refs):
+        # mailbox [R, T, split, C, 256], prefix [T, split, C, 256] (aliased Ref),
+        # blocks [T, NB, split, C, 256], norm/query/out_norm [split, C, 256];
+        # outputs: output [T, split, C, 256], xmoe [reps, T, split, C, 256]
+        output, *refs = refs
+        xmoe = refs.pop(0) if reps else None
+        slots, bars, wts, wbar, pbuf, obuf, *exchange_refs = refs
+        t = lax.axis_index("t")
+        c = lax.axis_index("c") if split > 1 else 0
+
+        def source(i):
+            kind, k = rows[i]
+            if kind == "mailbox":
+                return mailbox.at[k, t, c]
+            if kind == "prefix":
+                return prefix.at[t, c]
+            return blocks.at[t, k, c]
+
+        for j, w in enumerate((norm, query, out_norm)):
+            plgpu.copy_gmem_to_smem(w.at[c], wts.at[j], wbar.at[j])
+        for i in range(ring):
+            plgpu.copy_gmem_to_smem(source(i), slots.at[i], bars.at[i])
+
+        def take(i):  # [C, 256] f32 of row i; refills its slot with row i + ring
+            slot = i % ring
+            plgpu.barrier_wait(bars.at[slot])
+            x = slots[slot].astype(f32)
+            if i + ring < len(rows):
+                plgpu.copy_gmem_to_smem(source(i + ring), slots.at[slot], bars.at[slot])
+            return x
+
+        # Rank sum in the seed's order; -0.0 counts as +0.0 (the first term of every group is
+        # the only place a -0.0 can survive an f32 sum, so it is cleaned there).
+        total = None
+        i = 0
+        for first in range(0, R, per_group):
+            x = take(i)
+            part = jnp.where(x == 0.0, 0.0, x)
+            i += 1
+            for _ in range(first + 1, min(first + per_group, R)):
+                part = part + take(i)
+                i += 1
+            total = part if total is None else total + part
+        attn = total.astype(bf16).astype(f32)  # ROUND: the reduced partials are bf16
+        if has_delta:
+            attn = take(i) + attn
+            i += 1
+        p16 = attn.astype(bf16)  # ROUND: the prefix is stored in bf16
+        pbuf[...] = p16
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(pbuf, prefix.at[t, c])
+
+        for j in range(3):
+            plgpu.barrier_wait(wbar.at[j])
+        w = wts[0].astype(f32) * wts[1].astype(f32)
+        p = p16.astype(f32)
+
+        if split == 1:  # online softmax over the sources as they stream past
+            def logit(s):
+                return jnp.sum(s * w) * lax.rsqrt(jnp.sum(s * s) / H + eps)
+
+            m, den, mix = logit(p), jnp.float32(1.0), p
+            for _ in range(NB):
+                b = take(i)
+                i += 1
+                lb = logit(b)
+                m_new = jnp.maximum(m, lb)
+                scale, e = jnp.exp(m - m_new), jnp.exp(lb - m_new)
+                den = den * scale + e
+                mix = mix * scale + b * e
+                m = m_new
+            y = mix * (1.0 / den)
+            yy = jnp.sum(y * y)
+        else:  # all sources resident: one cluster exchange for the logits, one for y.y
+            exchange = exchange_refs
+
+            def combine(values, round_):  # cluster-wide sums, added in CTA order on every CTA
+                mine, total = exchange[2 * round_], exchange[2 * round_ + 1]  # [128] f32 each
+                for k, v in enumerate(values):
+                    mine[k] = v
+                _cluster_ptx("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;")
+                acc = plgpu.cluster_ref(mine, {"c": 0})[...]
+                for peer in range(1, split):
+                    acc = acc + plgpu.cluster_ref(mine, {"c": peer})[...]
+                total[...] = acc
+                return [total[k] for k in range(len(values))]
+
+            block_rows = list(range(i, i + NB))
+            sources = [lambda: p] + [lambda r=r: slots[r].astype(f32) for r in block_rows]
+            for r in block_rows:
+                plgpu.barrier_wait(bars.at[r])
+            parts = []
+            for s in sources:
+                x = s()
+                parts += [jnp.sum(x * w), jnp.sum(x * x)]
+            sums = combine(parts, 0)
+            logits = [sums[2 * j] * lax.rsqrt(sums[2 * j + 1] / H + eps) for j in range(NB + 1)]
+            m = functools.reduce(jnp.maximum, logits)
+            e = [jnp.exp(l - m) for l in logits]
+            inv_den = 1.0 / functools.reduce(jnp.add, e)
+            y = functools.reduce(jnp.add, [s() * (ej * inv_den) for s, ej in zip(sources, e)])
+            (yy,) = combine([jnp.sum(y * y)], 1)
+            _cluster_ptx("barrier.cluster.arrive.relaxed.aligned;")  # done reading peers' shared memory
+        out = y * lax.rsqrt(yy / H + out_eps) * wts[2].astype(f32)
+        o16 = out.astype(bf16)  # ROUND: the output is bf16
+        obuf[...] = o16
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(obuf, output.at[t, c])
+        if reps:
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the prefix store has read pbuf
+            pbuf[...] = jnp.where(o16 == 0.0, jnp.zeros_like(o16), o16)  # -0.0 -> +0.0
+            plgpu.commit_smem()
+            for k in range(reps):
+                plgpu.copy_smem_to_gmem(pbuf, xmoe.at[k, t, c])
+        if split > 1:
+            _cluster_ptx("barrier.cluster.wait.aligned;")  # no peer reads this CTA's memory any more
+        plgpu.wait_smem_to_gmem(0)
+
+    scratch = [
+        plgpu.SMEM((ring, C, LANES), bf16),
+        plgpu.Barrier(num_barriers=ring),
+        plgpu.SMEM((3, C, LANES), bf16),
+        plgpu.Barrier(num_barriers=3),
+        plgpu.SMEM((C, LANES), bf16),
+        plgpu.SMEM((C, LANES), bf16),
+    ]
+    if split > 1:
+        scratch += [plgpu.SMEM((EXCHANGE,), f32) for _ in range(4)]  # (mine, total) x 2 rounds
+    return body, scratch
+
+
+def choose_split(T: int, H: int, interpret: bool) -> dict:
+    """The work split per token, chosen by measurement on the H200 (benchmarks/pallas_smoke.py).
+
+    One CTA per token (split=1), measured: ring=4 is best at T=1 (17 us vs 23 with ring=2);
+    ring=2 at T >= 64 (two CTAs fit an SM: 21/75/437 us at T=64/512/4096 vs 31/85/450).
+    The cluster split (SPLIT CTAs per token) is used up to SPLIT_MAX_T tokens once it has been
+    verified on the GPU; interpret mode has no cluster shared memory: one CTA per token there.
+    """
+    if T <= SPLIT_MAX_T and (H // LANES) % SPLIT == 0 and not interpret:
+        return dict(ring=RING, split=SPLIT)
+    return dict(ring=RING if T < 64 else 2, split=1)
+
+
+def consumer(
+    mailbox,  # [R, T, H] bf16
+    prefix,  # [T, H] bf16
+    blocks,  # [T, NB, H] bf16
+    norm,  # [H] bf16
+    query,  # [H] bf16
+    out_norm,  # [H] bf16
+    *,
+    eps: float,
+    out_eps: float,
+    has_delta: bool,
+    groups: int,
+    xmoe_replicas: int,
+) -> ConsumerResult:
+    """The backend entry (api.consumer has checked the arguments): the kernel, tuned per shape."""
+    return consumer_with(
+        mailbox, prefix, blocks, norm, query, out_norm, eps=eps, out_eps=out_eps, has_delta=has_delta,
+        groups=groups, xmoe_replicas=xmoe_replicas, **choose_split(mailbox.shape[1], mailbox.shape[2], _interpret()),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "out_eps", "has_delta", "groups", "xmoe_replicas", "ring", "split"))
+def consumer_with(
+    mailbox,  # [R, T, H] bf16
+    prefix,  # [T, H] bf16
+    blocks,  # [T, NB, H] bf16
+    norm,  # [H] bf16
+    query,  # [H] bf16
+    out_norm,  # [H] bf16
+    *,
+    eps: float,
+    out_eps: float,
+    has_delta: bool,
+    groups: int,
+    xmoe_replicas: int,
+    ring: int,
+    split: int,
+) -> ConsumerResult:
+    """The kernel with explicit tuning knobs: `split` CTAs per token (a cluster sharing the
+    row), `ring` shared-memory row slots per CTA (split == 1; with split > 1 rows are resident)."""
+    R, T, H = mailbox.shape
+    NB = blocks.shape[1]
+    if (H // LANES) % split:
+        raise ValueError(f"split: expected a divisor of H/{LANES} = {H // LANES}, got {split}")
+    C = H // LANES // split
+    interpret = _interpret()
+    if split > 1 and interpret:
+        raise ValueError(f"split: Mosaic GPU interpret mode has no cluster shared memory; expected split=1, got {split}")
+    body, scratch = _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, xmoe_replicas, ring, split)
+    row = (split, C, LANES)  # one row of H, as the CTAs of a token see it
+    out_type = [jax.ShapeDtypeStruct((T, *row), bf16)]
+    if xmoe_replicas:
+        out_type.append(jax.ShapeDtypeStruct((xmoe_replicas, T, *row), bf16))
+    cluster = dict(cluster=(split,), cluster_names=("c",)) if split > 1 else {}
+    kernel = plgpu.kernel(
+        body,
+        out_type=tuple(out_type),
+        scratch_types=scratch,
+        grid=(T,),
+        grid_names=("t",),
+        kernel_name=KERNEL_NAME,
+        interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,  # poisoned outputs
+        **cluster,
+    )
+    prefix_ref = jax.new_ref(prefix.reshape(T, *row))  # written in place: the call aliases it
+    outs = kernel(
+        mailbox.reshape(R, T, *row),
+        prefix_ref,
+        blocks.reshape(T, NB, *row),
+        norm.reshape(row),
+        query.reshape(row),
+        out_norm.reshape(row),
+    )
+    new_prefix = jax.freeze(prefix_ref).reshape(T, H)
+    output = outs[0].reshape(T, H)
+    xmoe = outs[1].reshape(xmoe_replicas, T, H) if xmoe_replicas else None
+    return ConsumerResult(new_prefix, output, xmoe)

@@ -1,0 +1,182 @@
+"""The Pallas backend (oproj_jax/pallas): Mosaic GPU kernel `oproj_consumer_pallas`.
+
+On the CPU the kernel runs in Mosaic GPU interpret mode (outputs start as NaN there, so an
+element the kernel never writes shows up); the CUDA lowering is checked against an abstract
+H200. Expected values never come from the kernel: the prefix is compared bit for bit with
+oproj_jax.reference (same summation order), the output with testing.output_f64 (f64 numpy).
+"""
+
+from __future__ import annotations
+
+import re
+import unittest.mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import oproj_jax
+from oproj_jax import configs, reference, testing
+from oproj_jax.pallas import consumer as pallas_consumer
+from conftest import gpu_platform_reason
+
+ARGS = ("mailbox", "prefix", "blocks", "norm", "query", "out_norm")
+EPS = dict(eps=0.5, out_eps=0.25)  # large against the sources' mean squares: a swapped eps shows
+# Interpret mode takes ~3 s per call at H = 7168 on 2 cores: the first configs run always, the rest are `slow`.
+FAST = 3
+
+
+def _arrays(config, seed=0):
+    return {k: jnp.asarray(v) for k, v in configs.make_inputs(config, seed).items()}
+
+
+def _check(config, got, x):
+    want = reference.consumer(*(x[k] for k in ARGS), **EPS, **config.options())
+    np.testing.assert_array_equal(testing.bits(got.prefix), testing.bits(want.prefix))
+    out64 = testing.output_f64(got.prefix, x["blocks"], x["norm"], x["query"], x["out_norm"], **EPS)
+    out = np.asarray(got.output, np.float32)
+    assert not np.isnan(out).any(), "output has NaN: an element was never written (interpret poisons outputs)"
+    assert testing.rel_l2(got.output, out64) < testing.OUTPUT_REL_L2_TOL
+    if config.xmoe_replicas:
+        assert got.xmoe.shape == (config.xmoe_replicas, config.T, config.H)
+        clean = testing.bits(reference.without_negative_zero(got.output))
+        for k in range(config.xmoe_replicas):
+            np.testing.assert_array_equal(testing.bits(got.xmoe[k]), clean)
+    else:
+        assert got.xmoe is None
+
+
+def test_inside_shard_map():
+    # sharded.tp_consumer runs the backend per rank inside shard_map (oneshot). One rank only:
+    # jax 0.11.2's GPU interpreter keeps one shared-memory table for all devices and, at the end
+    # of each device's kernel, asserts that no barrier of ANY device is still allocated, so
+    # several CPU devices interpreting at once fail at random ("Barrier remains allocated").
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from oproj_jax import sharded
+
+    config = configs.Config(1, 2, 2, groups=1)
+    x = configs.make_inputs(config, seed=4)
+    mesh = jax.make_mesh((1,), ("tp",), devices=jax.devices()[:1])
+    args = [jax.device_put(x[k], NamedSharding(mesh, P("tp") if k == "mailbox" else P())) for k in ARGS]
+    got = sharded.tp_consumer(*args, mesh=mesh, backend="pallas", **EPS, **config.options())
+    _check(config, got, {k: jnp.asarray(v) for k, v in x.items()})
+
+
+CASES = [pytest.param(c, id=c.name, marks=() if i < FAST else pytest.mark.slow) for i, c in enumerate(configs.PARITY_SMALL)]
+
+
+@pytest.mark.parametrize("config", CASES)
+def test_parity_interpret(config):
+    x = _arrays(config)
+    got = oproj_jax.consumer(*(x[k] for k in ARGS), **EPS, backend="pallas", **config.options())
+    _check(config, got, x)
+
+
+@pytest.mark.parametrize("ring", [1, 2])
+def test_parity_interpret_small_ring(ring):
+    # The default uses ring=2 at T >= 64 (measured); the slot-reuse logic is the same at any T.
+    config = configs.Config(16, 1, 8, xmoe_replicas=1)
+    x = _arrays(config, seed=5)
+    got = pallas_consumer.consumer_with(*(x[k] for k in ARGS), **EPS, **config.options(), ring=ring, split=1)
+    _check(config, got, x)
+
+
+def test_negative_zero_mailbox_sums_to_positive_zero():
+    # A column whose every partial is -0.0 must sum to +0.0 (published values), with and without delta.
+    config = configs.Config(4, 1, 1, groups=2, has_delta=False)
+    x = _arrays(config)
+    x["mailbox"] = x["mailbox"].at[:, :, :512].set(-0.0)
+    got = oproj_jax.consumer(*(x[k] for k in ARGS), **EPS, backend="pallas", **config.options())
+    assert (testing.bits(got.prefix)[:, :512] == 0).all()
+    _check(config, got, x)
+
+
+def test_unsupported_hidden_size():
+    config = configs.Config(2, 1, 1, H=7168 - 128)
+    x = _arrays(config)
+    with pytest.raises(ValueError, match=r"backend='pallas'.*H % 256 == 0, got H=7040"):
+        oproj_jax.consumer(*(x[k] for k in ARGS), backend="pallas", **config.options())
+
+
+def test_bad_input_is_checked_before_the_kernel():
+    config = configs.Config(2, 1, 1)
+    x = _arrays(config)
+    x["prefix"] = x["prefix"].astype(jnp.float32)
+    with pytest.raises(TypeError, match="prefix: expected dtype bfloat16"):
+        oproj_jax.consumer(*(x[k] for k in ARGS), backend="pallas")
+
+
+def test_cluster_split_needs_a_gpu():
+    """Interpret mode (no GPU) cannot run the cluster split: it says so instead of failing later."""
+    if gpu_platform_reason() is None:
+        pytest.skip("a GPU is present: the split runs there (GPU tests below)")
+    config = configs.Config(2, 1, 1)
+    x = _arrays(config)
+    with pytest.raises(ValueError, match="split: Mosaic GPU interpret mode has no cluster"):
+        pallas_consumer.consumer_with(*(x[k] for k in ARGS), **EPS, **config.options(), ring=4, split=7)
+
+
+# ---- CUDA lowering on this CPU machine (abstract H200): the named kernel, and the in-place prefix.
+
+
+def _lower_for_h200(fn, config):
+    shapes = dict(
+        mailbox=(config.R, config.T, config.H), prefix=(config.T, config.H), blocks=(config.T, config.NB, config.H),
+        norm=(config.H,), query=(config.H,), out_norm=(config.H,),
+    )
+    args = [jax.ShapeDtypeStruct(shapes[k], jnp.bfloat16) for k in ARGS]
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    mesh = jax.sharding.AbstractMesh((), (), abstract_device=device)
+    with unittest.mock.patch.object(pallas_consumer, "_interpret", lambda: False), jax.sharding.use_abstract_mesh(mesh):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("split", [1, 7])
+def test_lowers_for_cuda_with_the_named_kernel_and_aliased_prefix(split):
+    config = configs.Config(16, 3, 8, xmoe_replicas=1)
+
+    def fn(*args):
+        return pallas_consumer.consumer_with(*args, eps=1e-6, out_eps=1e-6, **config.options(), ring=4, split=split)
+
+    text = _lower_for_h200(fn, config)
+    calls = re.findall(r"stablehlo.custom_call @mosaic_gpu\w*\(", text)
+    assert len(calls) == 1, calls
+    assert pallas_consumer.KERNEL_NAME in text
+    # Operand 1 (the prefix, a mutable Ref) comes back as an output in place: no copy.
+    aliases = re.findall(r"output_operand_alias<output_tuple_indices = \[\d+\], operand_index = (\d+)", text)
+    assert aliases == ["1"], aliases
+
+
+def test_default_choice_lowers_for_cuda():
+    # Off the interpreter the tuned choice uses the cluster up to SPLIT_MAX_T tokens, else one CTA per token.
+    small = 1 if pallas_consumer.SPLIT_MAX_T < 1 else pallas_consumer.SPLIT
+    assert pallas_consumer.choose_split(1, 7168, interpret=False)["split"] == small
+    assert pallas_consumer.choose_split(4096, 7168, interpret=False)["split"] == 1
+    assert pallas_consumer.choose_split(1, 7168, interpret=True)["split"] == 1
+    config = configs.Config(16, 1, 8)
+
+    def fn(*args):
+        return oproj_jax.consumer(*args, backend="pallas")
+
+    text = _lower_for_h200(fn, config)
+    assert pallas_consumer.KERNEL_NAME in text
+
+
+# ---- on the GPU
+
+
+@pytest.mark.parametrize("variant", [None, dict(ring=4, split=7)], ids=["default", "split7"])
+@pytest.mark.parametrize("config", configs.GPU_CHECKS, ids=lambda c: c.name)
+def test_parity_gpu(gpu, config, variant):
+    # "default": oproj_jax.consumer(backend="pallas") with the tuned choice; "split7": the cluster path.
+    x = {k: jax.device_put(v, gpu) for k, v in _arrays(config, seed=3).items()}
+    if config.twoshot:
+        x["mailbox"] = reference.twoshot_gather(x["mailbox"])
+    args = [x[k] for k in ARGS]
+    if variant is None:
+        got = oproj_jax.consumer(*args, **EPS, backend="pallas", **config.options())
+    else:
+        got = pallas_consumer.consumer_with(*args, **EPS, **config.options(), **variant)
+    _check(config, got, x)
