@@ -1,0 +1,207 @@
+"""Tensor-parallel layouts around the consumer: shard_map over a mesh axis of R ranks.
+
+Nothing here knows about kernels: every rank calls `api.consumer` on its own view, so every
+backend works sharded. This layer plays the producer: it publishes the partials (-0.0 stored
+as +0.0, SPEC "mailbox protocol") and moves them between ranks with XLA collectives.
+
+Modes (how the R partials reach each rank's consumer):
+
+  "oneshot"  rank-ordered all-gather of the partials into a mailbox [R, T, H] on every rank,
+             then the consumer with the caller's `groups` order. Bit-identical on every rank.
+  "twoshot"  reduce-scatter then gather (SPEC "Twoshot"): rank r receives every rank's column
+             slice r ([R, T, H/R], all_to_all), sums it in f32 in rank order, rounds to bf16;
+             the reduced slices are all-gathered into a one-slot mailbox [1, T, H]. The prefix
+             bits equal oneshot's with groups=1. Bit-identical on every rank. Needs H % R == 0.
+  "psum"     XLA's all-reduce (f32) of the partials, rounded to bf16 into a one-slot mailbox.
+             Its summation order is XLA's, not the seed's: the prefix may differ from the
+             reference by rounding (and, on GPU, between runs). A baseline, not bit-exact.
+
+With a one-slot mailbox (twoshot, psum) the consumer runs with groups=1: `groups` only fixes
+oneshot's order (it is still validated in every mode).
+
+Checks run eagerly, on the global shapes, before any tracing: api.check_arguments for the
+generic ones, then the layout's (mesh axis, R, H % R, mode). The backend is resolved once,
+for one rank's view and the platform of the mesh's devices (which need not be JAX's default
+backend); a backend that cannot run there raises, as in api.consumer.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from oproj_jax import api
+from oproj_jax.reference import rank_sum, without_negative_zero
+
+MODES = ("oneshot", "twoshot", "psum")
+
+# The consumer's options and their defaults (the same as api.consumer's).
+_DEFAULT_OPTIONS = dict(eps=1e-6, out_eps=1e-6, has_delta=True, groups=4, xmoe_replicas=0)
+
+f32, bf16 = jnp.float32, jnp.bfloat16
+
+
+def _options(options: dict) -> dict:
+    unknown = sorted(set(options) - set(_DEFAULT_OPTIONS))
+    if unknown:
+        raise TypeError(f"unexpected option(s) {unknown}; expected some of {sorted(_DEFAULT_OPTIONS)}")
+    return {**_DEFAULT_OPTIONS, **options}
+
+
+def _check_layout(mesh, axis_name, mode, backend) -> int:
+    """Checks mesh, axis_name, mode and the backend's type; returns R, the size of the mesh axis."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"axis_name: expected one of the mesh's axes {tuple(mesh.axis_names)}, got {axis_name!r}")
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    if not isinstance(backend, str):
+        raise TypeError(f"backend: expected a str, got {type(backend).__name__}")
+    return int(mesh.shape[axis_name])
+
+
+def _check_ranks(R: int, ranks: int, mode: str, H: int, what: str) -> None:
+    if R != ranks:
+        raise ValueError(f"{what}: expected R = {ranks} (the size of the mesh axis), got R = {R}")
+    if mode == "twoshot" and H % R:
+        raise ValueError(f"{what}: twoshot splits H into R column slices; expected H % R == 0, got H={H}, R={R}")
+
+
+def _plan(mesh, axis_name, mode, backend, opts, dims: api.Dims, fused: bool):
+    """Resolves the backend for one rank's view on the mesh's platform (eagerly, so "auto" and
+    errors follow the mesh's devices, not JAX's default backend) and returns the jitted layout."""
+    consume_opts = dict(
+        eps=float(opts["eps"]),
+        out_eps=float(opts["out_eps"]),
+        has_delta=bool(opts["has_delta"]),
+        groups=int(opts["groups"]) if mode == "oneshot" else 1,  # one slot: nothing to order
+        xmoe_replicas=int(opts["xmoe_replicas"]),
+    )
+    view = dims._replace(R=dims.R if mode == "oneshot" else 1)  # each rank's mailbox
+    platform = mesh.devices.flat[0].platform
+    name = api.resolve_backend(backend, platform, view, **consume_opts)
+    return _sharded(mesh, axis_name, mode, name, tuple(sorted(consume_opts.items())), fused, dims.NB == 0)
+
+
+def tp_consumer(
+    partial,  # [R, T, H] bf16, sharded on R over `axis_name`: rank r holds partial[r] ([1, T, H])
+    prefix,  # [T, H] bf16, replicated
+    blocks,  # [T, NB, H] bf16, replicated
+    norm,  # [H] bf16, replicated
+    query,  # [H] bf16, replicated
+    out_norm,  # [H] bf16, replicated
+    *,
+    mesh: Mesh,
+    axis_name: str = "tp",
+    mode: str = "oneshot",
+    backend: str = "auto",
+    **options,  # eps, out_eps, has_delta, groups, xmoe_replicas: as api.consumer
+) -> api.ConsumerResult:
+    """The consumer over a TP group: each rank holds its partial o-projection; see MODES above.
+
+    Returns a ConsumerResult of replicated arrays (prefix [T, H], output [T, H], xmoe
+    [reps, T, H] or None); for "oneshot" and "twoshot" every rank holds the same bits.
+    Works eagerly and under jit / scan (donate the prefix at the caller's jit).
+    """
+    ranks = _check_layout(mesh, axis_name, mode, backend)
+    opts = _options(options)
+    dims = api.check_arguments(partial, prefix, blocks, norm, query, out_norm, **opts)
+    _check_ranks(dims.R, ranks, mode, dims.H, "partial")
+    fn = _plan(mesh, axis_name, mode, backend, opts, dims, fused=False)
+    return fn(partial, prefix, norm, query, out_norm, *(() if dims.NB == 0 else (blocks,)))
+
+
+def tp_oproj_consumer(
+    attn,  # [T, K] bf16, K = heads*head_dim, sharded on K over `axis_name`: rank r holds its heads [T, K/R]
+    w_o,  # [K, H] bf16, sharded on K over `axis_name`: rank r holds the matching rows [K/R, H]
+    prefix,  # [T, H] bf16, replicated
+    blocks,  # [T, NB, H] bf16, replicated
+    norm,  # [H] bf16, replicated
+    query,  # [H] bf16, replicated
+    out_norm,  # [H] bf16, replicated
+    *,
+    mesh: Mesh,
+    axis_name: str = "tp",
+    mode: str = "oneshot",
+    backend: str = "auto",
+    **options,  # eps, out_eps, has_delta, groups, xmoe_replicas: as api.consumer
+) -> api.ConsumerResult:
+    """The fused TP producer + consumer, in one shard_map.
+
+    Layout: `attn` [T, heads*head_dim] is split on its last axis and `w_o` [heads*head_dim, H]
+    on its first, in R equal contiguous pieces, rank r taking piece r of each (its heads and
+    their rows of W_o). Rank r computes its partial o-projection
+    `partial_r = bf16(attn_r @ w_o_r)` ([T, H], f32 accumulation, one bf16 rounding), publishes
+    it (-0.0 as +0.0) and the partials are reduced and consumed as in `tp_consumer` with the
+    same `mode`. Returns the same replicated ConsumerResult.
+    """
+    ranks = _check_layout(mesh, axis_name, mode, backend)
+    opts = _options(options)
+    T, K = api._check_array("attn", attn, 2, "[T, heads*head_dim]")
+    wK, H = api._check_array("w_o", w_o, 2, "[heads*head_dim, H]")
+    if wK != K:
+        raise ValueError(
+            f"w_o: expected shape [heads*head_dim, H] with heads*head_dim = {K} (from attn), got {(wK, H)}"
+        )
+    if K % ranks:
+        raise ValueError(f"attn: heads*head_dim is split over {ranks} ranks; expected a multiple of {ranks}, got {K}")
+    partial = jax.ShapeDtypeStruct((ranks, T, H), bf16)  # what the producer will publish
+    dims = api.check_arguments(partial, prefix, blocks, norm, query, out_norm, **opts)
+    _check_ranks(dims.R, ranks, mode, H, "w_o")
+    fn = _plan(mesh, axis_name, mode, backend, opts, dims, fused=True)
+    return fn(attn, w_o, prefix, norm, query, out_norm, *(() if dims.NB == 0 else (blocks,)))
+
+
+def _mailbox(mine, axis_name: str, mode: str, ranks: int):  # [1, T, H] bf16, published -> [R or 1, T, H]
+    """One rank's mailbox from its own published partial, replicated (invariant) over the axis."""
+    if mode == "oneshot":
+        return jax.lax.all_gather(mine[0], axis_name, axis=0, to="invarying")  # [R, T, H], rank order
+    if mode == "twoshot":
+        _, T, H = mine.shape
+        slices = mine[0].reshape(T, ranks, H // ranks).transpose(1, 0, 2)  # [R, T, H/R]: slice s -> rank s
+        recv = jax.lax.all_to_all(slices, axis_name, 0, 0, tiled=True)  # [R, T, H/R]: row s from rank s
+        mine_sum = rank_sum(recv.astype(f32), 1).astype(bf16)  # ROUND: rank order, f32, stored as bf16
+        mine_sum = without_negative_zero(mine_sum)  # published into the gather row
+        row = jax.lax.all_gather(mine_sum, axis_name, axis=1, tiled=True, to="invarying")  # [T, H]
+        return row[None]
+    total = jax.lax.psum(mine[0].astype(f32), axis_name)  # [T, H] f32, XLA's order
+    return without_negative_zero(total.astype(bf16))[None]  # ROUND: stored as bf16, published
+
+
+@functools.lru_cache(maxsize=64)
+def _sharded(mesh, axis_name, mode, backend, options, fused, no_blocks):
+    """The jitted shard_map for one static layout (cached: eager calls do not retrace);
+    `backend` is resolved (a registry name), `options` are the consumer's, as sorted items.
+
+    Arguments: the producer's (partial, or attn and w_o), then prefix, norm, query, out_norm,
+    then blocks unless `no_blocks`: with NB = 0 the empty [T, 0, H] blocks are made inside,
+    because a zero-size shard_map operand crashes jax 0.11.2 on a multi-device CPU mesh
+    (segmentation fault, seen with any shard_map over >= 2 devices)."""
+    consume_opts = dict(options)
+    ranks = int(mesh.shape[axis_name])
+
+    def consume(mine, prefix, norm, query, out_norm, *blocks):  # mine: [1, T, H] bf16, published
+        mailbox = _mailbox(mine, axis_name, mode, ranks)
+        (blocks,) = blocks or (jnp.zeros((prefix.shape[0], 0, prefix.shape[1]), bf16),)
+        return api.consumer(mailbox, prefix, blocks, norm, query, out_norm, backend=backend, **consume_opts)
+
+    replicated = (P(),) * (4 if no_blocks else 5)
+    if fused:
+
+        def body(attn, w_o, *rest):  # attn [T, K/R], w_o [K/R, H]: this rank's heads
+            partial = jnp.dot(attn, w_o, preferred_element_type=f32).astype(bf16)  # ROUND: bf16 partial
+            return consume(without_negative_zero(partial)[None], *rest)
+
+        in_specs = (P(None, axis_name), P(axis_name, None), *replicated)
+    else:
+
+        def body(partial, *rest):  # partial [1, T, H]: this rank's slot
+            return consume(without_negative_zero(partial), *rest)
+
+        in_specs = (P(axis_name), *replicated)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=P()))
