@@ -44,6 +44,7 @@ struct Driver {
   decltype(&::cuModuleGetFunction) ModuleGetFunction = nullptr;
   decltype(&::cuFuncSetAttribute) FuncSetAttribute = nullptr;
   CUresult (*LaunchKernelEx)(const CUlaunchConfig*, CUfunction, void**, void**) = nullptr;
+  decltype(&::cuMemcpyDtoDAsync) MemcpyDtoDAsync = nullptr;
   std::string error;  // empty when every symbol resolved
 
   Driver() {
@@ -63,6 +64,7 @@ struct Driver {
     resolve(ModuleGetFunction, "cuModuleGetFunction");
     resolve(FuncSetAttribute, "cuFuncSetAttribute");
     resolve(LaunchKernelEx, "cuLaunchKernelEx");
+    resolve(MemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2");
   }
 };
 
@@ -151,6 +153,26 @@ ffi::Error Launch(CUstream stream, const LaunchSpec& spec, void** params) {
   return ffi::Error::Success();
 }
 
+// ---- in-place operands ------------------------------------------------------------------------
+// The kernel reads and writes one pointer per in-place operand (prefix, mailbox, hints, status),
+// so the result must hold the operand's values. XLA usually gives both the same buffer (the
+// alias), but not always: a dynamic-slice fusion (a scan body writing the result straight into
+// the stacked ys) hands over a different result buffer. Then copy first, on the same stream (a
+// memcpy node under graph capture), so the kernel still reads what the caller passed.
+ffi::Error InPlace(CUstream stream, std::string_view entry, const char* name, const void* in, void* out,
+                   size_t bytes) {
+  if (in == out || bytes == 0) return ffi::Error::Success();
+  if (CUresult r = driver().MemcpyDtoDAsync(CUdeviceptr(out), CUdeviceptr(in), bytes, stream))
+    return CudaError(r, entry, std::string("cuMemcpyDtoDAsync(") + name + ")");
+  return ffi::Error::Success();
+}
+
+template <typename In, typename Out>
+ffi::Error InPlace(CUstream stream, std::string_view entry, const char* name, const In& in, Out& out,
+                   size_t element_bytes) {
+  return InPlace(stream, entry, name, in.untyped_data(), out->untyped_data(), in.element_count() * element_bytes);
+}
+
 // ---- shape checks (host side, from the buffer descriptors; no device access) ------------------
 std::string Shape(ffi::Span<const int64_t> dims) {
   std::string s = "[";
@@ -169,6 +191,7 @@ using Bf16_2 = ffi::Buffer<ffi::BF16, 2>;
 using Bf16_3 = ffi::Buffer<ffi::BF16, 3>;
 using Counter = ffi::Buffer<ffi::U32, 1>;
 using Status = ffi::Buffer<ffi::S32, 1>;
+using Scratch = ffi::Buffer<ffi::U32, 1>;
 
 // Checks the buffers every variant shares; returns T. `slots` is mailbox [R, T, H] (oneshot) or
 // the gather row [1, T, H] (twoshot).
@@ -220,6 +243,11 @@ ffi::Error OneshotExecute(CUstream stream,
   auto tokens = CheckCommon(entry, mailbox, prefix, blocks, norm, query, out_norm, output, xmoe, hints, status);
   if (tokens.has_error()) return tokens.error();
   int32_t T = int32_t(*tokens);
+  for (auto error : {InPlace(stream, entry, "mailbox", mailbox, mailbox_out, 2),
+                     InPlace(stream, entry, "prefix", prefix, prefix_out, 2),
+                     InPlace(stream, entry, "hints", hints, hints_out, 4),
+                     InPlace(stream, entry, "status", status, status_out, 4)})
+    if (error.failure()) return error;
   void* ptr[10] = {mailbox_out->untyped_data(),
                    prefix_out->untyped_data(),
                    OrValid(blocks.untyped_data(), blocks.element_count(), prefix.untyped_data()),
@@ -233,6 +261,50 @@ ffi::Error OneshotExecute(CUstream stream,
   void* params[14] = {&ptr[0], &ptr[1], &ptr[2], &ptr[3], &ptr[4], &ptr[5], &ptr[6],
                       &ptr[7], &ptr[8], &ptr[9], &eps,    &out_eps, &T,     &spin_limit};
   return Launch(stream, {cubin, entry, smem, block, pdl, T}, params);
+}
+
+// ---- ready: mailbox [R, T, H] produced by XLA before the launch; read once, never written ------
+ffi::Error ReadyExecute(CUstream stream,
+                        Bf16_3 mailbox,  // [R, T, H] rank slots, complete: read only (no poll, no re-arm)
+                        Bf16_2 prefix,   // [T, H] read when has_delta, always written (in place)
+                        Bf16_3 blocks,   // [T, NB, H] completed blocks
+                        Bf16_1 norm,     // [H] AttnRes key RMSNorm weight
+                        Bf16_1 query,    // [H] AttnRes pseudo-query
+                        Bf16_1 out_norm, // [H] next sub-layer's RMSNorm weight
+                        ffi::Result<Bf16_2> prefix_out,  // aliases prefix
+                        ffi::Result<Bf16_2> output,      // [T, H] the normalized hidden state
+                        ffi::Result<Bf16_3> xmoe,        // [reps, T, H] sanitized replicas
+                        ffi::Result<Scratch> scratch,    // [2] u32: hints counter, status word (unread)
+                        std::string_view cubin, std::string_view entry, int64_t smem, int64_t block,
+                        float eps, float out_eps, int32_t spin_limit, bool pdl) {
+  auto p = prefix.dimensions();
+  const int64_t T = p[0], H = p[1];
+  if (T < 1 || T > 65535) return ShapeError(entry, "prefix", "[T, H] with 1 <= T <= 65535 (grid.y)", p);
+  if (H != int64_t(kCluster) * 1024) return ShapeError(entry, "prefix", "[T, 7168]", p);
+  auto m = mailbox.dimensions();
+  if (m[1] != T || m[2] != H) return ShapeError(entry, "mailbox", "[R, T, H] with T, H of prefix", m);
+  auto b = blocks.dimensions();
+  if (b[0] != T || b[2] != H) return ShapeError(entry, "blocks", "[T, NB, H] with T, H of prefix", b);
+  if (scratch->dimensions()[0] != 2) return ShapeError(entry, "scratch", "[2]", scratch->dimensions());
+  if (spin_limit >= 0)
+    return ffi::Error::InvalidArgument(std::string(entry) + ": spin_limit: the ready target needs < 0, got " +
+                                       std::to_string(spin_limit));
+  if (auto error = InPlace(stream, entry, "prefix", prefix, prefix_out, 2); error.failure()) return error;
+  int32_t tokens = int32_t(T);
+  auto* words = static_cast<uint32_t*>(scratch->untyped_data());
+  void* ptr[10] = {mailbox.untyped_data(),
+                   prefix_out->untyped_data(),
+                   OrValid(blocks.untyped_data(), blocks.element_count(), prefix.untyped_data()),
+                   norm.untyped_data(),
+                   query.untyped_data(),
+                   out_norm.untyped_data(),
+                   output->untyped_data(),
+                   OrValid(xmoe->untyped_data(), xmoe->element_count(), output->untyped_data()),
+                   words,
+                   words + 1};
+  void* params[14] = {&ptr[0], &ptr[1], &ptr[2], &ptr[3], &ptr[4], &ptr[5], &ptr[6],
+                      &ptr[7], &ptr[8], &ptr[9], &eps,    &out_eps, &tokens, &spin_limit};
+  return Launch(stream, {cubin, entry, smem, block, pdl, tokens}, params);
 }
 
 // ---- twoshot: gather row [1, T, H] + receive slots [R, T, H/R] ---------------------------------
@@ -266,6 +338,12 @@ ffi::Error TwoshotExecute(CUstream stream,
   if (me < 0 || me >= r[0])
     return ffi::Error::InvalidArgument(std::string(entry) + ": me: expected 0 <= me < R = " + std::to_string(r[0]) +
                                        ", got " + std::to_string(me));
+  for (auto error : {InPlace(stream, entry, "gather", gather, gather_out, 2),
+                     InPlace(stream, entry, "prefix", prefix, prefix_out, 2),
+                     InPlace(stream, entry, "hints", hints, hints_out, 4),
+                     InPlace(stream, entry, "status", status, status_out, 4),
+                     InPlace(stream, entry, "recv", recv, recv_out, 2)})
+    if (error.failure()) return error;
   void* ptr[12] = {gather_out->untyped_data(),
                    prefix_out->untyped_data(),
                    OrValid(blocks.untyped_data(), blocks.element_count(), prefix.untyped_data()),
@@ -337,6 +415,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OprojOneshotInitialize, Initialize,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OprojOneshotExecute, OneshotExecute,
                               ffi::Ffi::Bind().Ctx<ffi::PlatformStream<CUstream>>() OPROJ_BUFFERS OPROJ_RESULTS
                                   OPROJ_ATTRS,
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OprojReadyExecute, ReadyExecute,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<CUstream>>()
+                                  .Arg<Bf16_3>()   /* mailbox [R, T, H], read only */
+                                  .Arg<Bf16_2>()   /* prefix [T, H] */
+                                  .Arg<Bf16_3>()   /* blocks [T, NB, H] */
+                                  .Arg<Bf16_1>()   /* norm [H] */
+                                  .Arg<Bf16_1>()   /* query [H] */
+                                  .Arg<Bf16_1>()   /* out_norm [H] */
+                                  .Ret<Bf16_2>()   /* prefix, updated (aliased) */
+                                  .Ret<Bf16_2>()   /* output [T, H] */
+                                  .Ret<Bf16_3>()   /* xmoe [reps, T, H] */
+                                  .Ret<Scratch>()  /* [2] u32 scratch: hints, status */
+                                      OPROJ_ATTRS,
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OprojTwoshotInitialize, TwoshotInitialize,

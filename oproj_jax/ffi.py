@@ -25,10 +25,12 @@ import jax
 
 ONESHOT_TARGET = "oproj_cute_consumer"
 TWOSHOT_TARGET = "oproj_cute_consumer_twoshot"
+READY_TARGET = "oproj_cute_consumer_ready"  # XLA-produced mailbox: read once, no polling, no re-arm
 # Exported handler symbols: (initialize, execute) per target.
 SYMBOLS = {
     ONESHOT_TARGET: ("OprojOneshotInitialize", "OprojOneshotExecute"),
     TWOSHOT_TARGET: ("OprojTwoshotInitialize", "OprojTwoshotExecute"),
+    READY_TARGET: ("OprojOneshotInitialize", "OprojReadyExecute"),
 }
 
 _PACKAGE = pathlib.Path(__file__).resolve().parent
@@ -108,7 +110,7 @@ def load_library() -> ctypes.CDLL:
 
 
 def register_targets() -> None:
-    """Registers both FFI targets for the CUDA platform, once per process."""
+    """Registers every FFI target (oneshot, ready, twoshot) for the CUDA platform, once per process."""
     global _registered
     library = load_library()
     with _lock:

@@ -169,15 +169,24 @@ def test_twoshot_parity(cute, config):
     assert (words(res.gather) == SENTINEL).all(), "the gather row is re-armed"
 
 
-def test_registry_consumer_through_api(cute):
-    """oproj_jax.consumer(backend="cute") on data with real -0.0 values (sanitized, never waits)."""
+@pytest.mark.parametrize("config", ONESHOT, ids=lambda c: c.name)
+def test_registry_consumer_ready_mode(cute, config):
+    """oproj_jax.consumer(backend="cute"): the ready kernel (no polling, no re-arm) on data with
+    real -0.0 values, including a position where every rank holds -0.0 (the sum must be +0.0);
+    the caller's mailbox is left untouched."""
     import oproj_jax
 
-    config = configs.Config(16, 3, 8)
-    x = inputs(config)
+    x = dict(inputs(config))
+    mailbox = np.array(x["mailbox"])
+    mailbox.view(np.uint16)[:, 0, 5] = 0x8000  # -0.0 in every rank at one position
+    x["mailbox"] = mailbox
+    poison_allocator((config.R + 2 + config.xmoe_replicas) * config.T * config.H * 2)
     args = [jax.device_put(x[k], cute) for k in ("mailbox", "prefix", "blocks", "norm", "query", "out_norm")]
-    got = jax.jit(functools.partial(oproj_jax.consumer, eps=EPS, out_eps=OUT_EPS, backend="cute"))(*args)
+    call = jax.jit(functools.partial(oproj_jax.consumer, eps=EPS, out_eps=OUT_EPS, has_delta=config.has_delta,
+                                     groups=config.groups, xmoe_replicas=config.xmoe_replicas, backend="cute"))
+    got = call(*args)
     check_result(config, x, got.prefix, got.output, got.xmoe)
+    np.testing.assert_array_equal(words(args[0]), words(mailbox), err_msg="the caller's mailbox was modified")
 
 
 def test_sanitizes_values_that_look_like_the_sentinel(cute):
@@ -309,6 +318,33 @@ def test_scan_loop(cute):
 
     (_, hints, status), (prefixes, outputs, xmoes) = scan(mailboxes, jax.device_put(x0["prefix"], cute), *rest)
     assert int(status[0]) == 0 and int(hints[0]) == steps * 4 * 7 * config.T
+    prefix = x0["prefix"]
+    for k in range(steps):
+        step_inputs = dict(x0, mailbox=xs[k]["mailbox"], prefix=prefix)
+        check_result(config, step_inputs, prefixes[k], outputs[k], xmoes[k], tag=f"scan step {k}")
+        prefix = np.asarray(prefixes[k])
+
+
+def test_scan_loop_registry_path(cute):
+    """The decode-loop path: oproj_jax.consumer(backend="cute") (ready kernel) in lax.scan over 4
+    steps, the prefix carried and donated, every step's bits equal to the reference's."""
+    import oproj_jax
+
+    config, steps = LOOP_CONFIG, STEPS
+    xs, rest, _ = loop_inputs(cute)
+    x0 = xs[0]
+    mailboxes = jax.device_put(np.stack([s["mailbox"] for s in xs]), cute)
+    consume = functools.partial(oproj_jax.consumer, eps=EPS, out_eps=OUT_EPS, groups=config.groups,
+                                xmoe_replicas=config.xmoe_replicas, backend="cute")
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def scan(mailboxes, prefix, blocks, norm, query, out_norm):
+        def step(prefix, mailbox):
+            r = consume(mailbox, prefix, blocks, norm, query, out_norm)
+            return r.prefix, (r.prefix, r.output, r.xmoe)
+        return jax.lax.scan(step, prefix, mailboxes)
+
+    _, (prefixes, outputs, xmoes) = scan(mailboxes, jax.device_put(x0["prefix"], cute), *rest)
     prefix = x0["prefix"]
     for k in range(steps):
         step_inputs = dict(x0, mailbox=xs[k]["mailbox"], prefix=prefix)

@@ -90,11 +90,17 @@ def test_published_mailbox_goes_straight_to_the_kernel(fake_cubins):
     assert f"spin_limit = {backend.DEFAULT_SPIN_LIMIT} : i32" in call
 
 
-def test_registry_consumer_never_spins(fake_cubins):
+def test_registry_consumer_uses_the_ready_kernel(fake_cubins):
+    """The registry path reads an XLA-made mailbox once: ready target, spin_limit < 0, the mailbox
+    neither sanitized nor aliased (so XLA never copies it), only the prefix updated in place."""
     fn = functools.partial(backend.consumer, eps=1e-6, out_eps=1e-6, has_delta=True, groups=2, xmoe_replicas=1)
     text = lower_for_cuda(fn, spec(2, 3, H), spec(3, H), spec(3, 1, H), spec(H), spec(H), spec(H))
-    (call,) = custom_calls(text, ffi.ONESHOT_TARGET)
-    assert "spin_limit = 0 : i32" in call  # sanitized data: every slot is published
+    (call,) = custom_calls(text, ffi.READY_TARGET)
+    assert "spin_limit = -1 : i32" in call and 'entry = "kernel_entry_0"' in call
+    assert "custom_call @oproj_cute_consumer_ready(%arg0," in call  # the caller's mailbox itself
+    assert "compare" not in text and "select" not in text
+    aliases = set(re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", call))
+    assert aliases == {("0", "1")}
 
 
 def test_twoshot_lowers_to_our_custom_call(fake_cubins):

@@ -31,6 +31,7 @@ import re
 import sys
 import tempfile
 import time
+import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -144,7 +145,8 @@ def build_cubins(out_dir=None, keys=None, jobs: int | None = None, log=None) -> 
     work = [(k, str(out)) for k in keys]
     if jobs > 1 and len(keys) > 1:
         # each worker imports the DSL once and compiles its share
-        with ProcessPoolExecutor(jobs) as pool:
+        # forkserver: the caller may have JAX's threads running (forking those can deadlock)
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("forkserver")) as pool:
             built = list(pool.map(_compile_to, work, chunksize=max(1, len(work) // (4 * jobs))))
     else:
         built = [_compile_to(w) for w in work]

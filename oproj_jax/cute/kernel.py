@@ -24,6 +24,12 @@ kernel; the later `wait` the seed has at exit is then a no-op and is left out.
 
 Bounded polling: with spin_limit > 0 a poll gives up after that many rounds, stores a code
 into `status` (1: mailbox, 2: twoshot receive slots) and continues with whatever it read.
+
+Ready mode: spin_limit < 0 says every slot was complete before the launch (XLA produced the
+mailbox; PDL's wait makes it visible): each fragment is loaded once, nothing is polled and
+nothing is re-armed, so the mailbox is only read and may hold real -0.0 values. The rank sum
+adds +0.0 last, which turns an all-(-0.0) sum into +0.0 exactly as summing published data
+(-0 -> +0) would, and leaves every other sum unchanged: the prefix bits match either way.
 """
 
 from __future__ import annotations
@@ -114,6 +120,15 @@ class OprojConsumer:
             values.extend((lo, hi))
         return values
 
+    def fold_slots(self, total, raw, n: int):  # total + slot 0 + slot 1 + ... (rank order)
+        total = list(total)
+        for k in range(n):
+            for j in range(4):
+                lo, hi = P.unpack(raw[4 * k + j])
+                total[2 * j] = P.add_rn(total[2 * j], lo)
+                total[2 * j + 1] = P.add_rn(total[2 * j + 1], hi)
+        return total
+
     @staticmethod
     def reduce_scatter(values, size: int, lane):
         """Warp-reduce `size` values (a power of two); lane holds the total number `idx`.
@@ -157,6 +172,8 @@ class OprojConsumer:
         pending = Int32(0)
         for k in cutlass.range_constexpr(n):
             pending = pending | P.pending_bit([raw[4 * k + j] for j in range(4)], 1 << k)
+        if spin_limit < 0:  # ready mode: XLA wrote the data before this kernel; nothing to wait for
+            pending = Int32(0)
         rounds = Int32(0)
         while pending != 0:
             for k in cutlass.range_constexpr(n):
@@ -188,16 +205,16 @@ class OprojConsumer:
                 n = min(TWOSHOT_CHUNK, self.R - first)
                 self.poll(raw, base + first * stride, stride, n, False, spin_limit, status,
                           STATUS_RECV)
-                part = self.sum_slots(raw, n)
                 if cutlass.const_expr(first == 0):
-                    total = part
-                else:
-                    total = [P.add_rn(a, b) for a, b in zip(total, part)]
+                    total = self.sum_slots(raw, n)
+                else:  # fold each slot into the running sum: plain rank order, as SPEC says
+                    total = self.fold_slots(total, raw, n)
             words = [P.without_negative_zero(P.pack(total[2 * j], total[2 * j + 1]))
                      for j in range(4)]
             P.st4(gather + (Int64(token) * self.H + h) * 2, words)
-            for r in cutlass.range_constexpr(self.R):
-                P.rearm(base + r * stride)
+            if spin_limit >= 0:  # ready mode leaves the caller's buffers alone
+                for r in cutlass.range_constexpr(self.R):
+                    P.rearm(base + r * stride)
 
     # ---- the kernel -----------------------------------------------------------------------
 
@@ -326,6 +343,8 @@ class OprojConsumer:
                         part = P.lds4_f32(smem + L.parts + (((g - 1) * 2 + half) * THREADS + t) * 16)
                         for j in cutlass.range_constexpr(4):
                             attn[4 * half + j] = P.add_rn(attn[4 * half + j], part[j])
+            # a sum whose terms are all -0.0 is -0.0; published data (-0 -> +0) sums to +0.0
+            attn = [P.add_rn(a, Float32(0.0)) for a in attn]
             p = []
             if cutlass.const_expr(self.has_delta):
                 old = self.fragment(smem, 3, t)
@@ -348,8 +367,9 @@ class OprojConsumer:
                 P.put_f32(smem + L.post + ((rank * 4 + warp) * 4 + idx) * 4, value, bar_post,
                           lane & spread, rank)
             P.st4(prefix + row * 2, [P.pack(p[2 * j], p[2 * j + 1]) for j in range(4)])
-            for k in cutlass.range_constexpr(first_slots):
-                P.rearm(frag + k * slot_stride)
+            if spin_limit >= 0:
+                for k in cutlass.range_constexpr(first_slots):
+                    P.rearm(frag + k * slot_stride)
             P.mbar_wait_phase0(bar_post)
             if t < self.npost:
                 sums = []
@@ -402,8 +422,9 @@ class OprojConsumer:
                         P.sts4_f32(smem + L.parts + (((g - 1) * 2 + half) * THREADS + t) * 16,
                                    values[4 * half: 4 * half + 4])
                     P.bar_arrive(2, THREADS * self.poll_groups)
-                    for k in cutlass.range_constexpr(n):
-                        P.rearm(base + k * slot_stride)
+                    if spin_limit >= 0:
+                        for k in cutlass.range_constexpr(n):
+                            P.rearm(base + k * slot_stride)
 
     @cute.kernel
     def kernel_oneshot(self, mailbox: cute.Pointer, prefix: cute.Pointer, blocks: cute.Pointer,
