@@ -145,10 +145,11 @@ def time_backend(backend: str, pool: bench_inputs.DevicePool, config: configs.Co
 # --- profiler cross-check ---------------------------------------------------------------------
 
 
-def _device_event_summary(xplane_path: str) -> dict[str, tuple[int, float]]:
-    """GPU plane line name -> (events, summed duration in us)."""
+def _device_event_summary(xplane_path: str) -> tuple[dict[str, tuple[int, float]], dict[str, float]]:
+    """GPU plane line name -> (events, summed duration in us); and, over the stream lines,
+    kernel name -> summed duration in us (where the time goes: the kernel, copies, fusions)."""
     data = jax.profiler.ProfileData.from_file(xplane_path)
-    summary = {}
+    summary, kernels = {}, {}
     for plane in data.planes:
         if not plane.name.startswith("/device:GPU"):
             continue
@@ -157,9 +158,11 @@ def _device_event_summary(xplane_path: str) -> dict[str, tuple[int, float]]:
             for event in line.events:
                 n += 1
                 total += event.duration_ns / 1e3
+                if line.name.startswith("Stream"):
+                    kernels[event.name] = kernels.get(event.name, 0.0) + event.duration_ns / 1e3
             key = f"{plane.name}|{line.name}"
             summary[key] = (n, total)
-    return summary
+    return summary, kernels
 
 
 def profiled_us(run, calls_per_run: int, runs: int = 3) -> tuple[float | None, str]:
@@ -177,7 +180,7 @@ def profiled_us(run, calls_per_run: int, runs: int = 3) -> tuple[float | None, s
             paths = glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)
             if not paths:
                 return None, "no xplane.pb written"
-            summary = _device_event_summary(paths[0])
+            summary, kernels = _device_event_summary(paths[0])
     except Exception as err:  # the cross-check must not abort a benchmark run
         return None, f"profiler failed: {type(err).__name__}: {err}"
     streams = {key: v for key, v in summary.items() if key.split("|", 1)[1].startswith("Stream")}
@@ -188,7 +191,10 @@ def profiled_us(run, calls_per_run: int, runs: int = 3) -> tuple[float | None, s
     note = f"{events} device events on {len(streams)} stream line(s): " + ", ".join(
         f"{key.split('|', 1)[1]} ({v[0]} ev)" for key, v in sorted(streams.items())
     )
-    return total / (runs * calls_per_run), note
+    calls = runs * calls_per_run
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:4]
+    note += "; per call: " + ", ".join(f"{name[:60]} {us / calls:.2f} us" for name, us in top)
+    return total / calls, note
 
 
 def profiled_us_per_call(fn, args_of, k: int, executions: int = 3) -> tuple[float | None, str]:
