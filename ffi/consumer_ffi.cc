@@ -1,12 +1,13 @@
-// XLA FFI handlers that launch the CuTe-DSL consumer cubins (.dev/CUTE_ABI.md) from JAX.
+// XLA FFI handlers that launch the CuTe-DSL consumer cubins (oproj_jax/cute/ABI.md) from JAX.
 //
 // Built with g++ only (oproj_jax/ffi.py): cuda.h is included for its types, the few driver
-// entry points are resolved from libcuda.so.1 with dlopen at first use. Two targets, one per
-// kernel ABI (oneshot, twoshot), each with two stages:
+// entry points are resolved from libcuda.so.1 with dlopen at first use. Three targets (oneshot,
+// ready, twoshot: see oproj_jax/cute/ABI.md), each with two stages:
 //   initialize  loads the cubin once per (CUDA context, cubin, entry), cached under a mutex, and
 //               sets the max dynamic shared memory and the non-portable cluster attribute;
-//   execute     only cuLaunchKernelEx: grid (7, T, 1), cluster (7, 1, 1), PDL. No allocation,
-//               no synchronization: safe inside CUDA-graph capture (XLA command buffers).
+//   execute     cuLaunchKernelEx: grid (7, T, 1), cluster (7, 1, 1), PDL (plus a stream-ordered
+//               copy where XLA did not alias an in-place operand). No allocation, no
+//               synchronization: safe inside CUDA-graph capture (XLA command buffers).
 //
 // `status` and `hints` are caller-owned 1-element buffers passed in and returned (aliased):
 // the kernel only ever *sets* status (nonzero = a slot was not published within spin_limit
@@ -219,7 +220,7 @@ ffi::ErrorOr<int64_t> CheckCommon(std::string_view entry, const Bf16_3& slots, c
 }
 
 // A zero-size buffer may have no storage: the kernel ignores such operands, but still wants a
-// valid pointer (CUTE_ABI.md: blocks when NB = 0, xmoe when reps = 0).
+// valid pointer (cute/ABI.md: blocks when NB = 0, xmoe when reps = 0).
 void* OrValid(void* maybe, size_t count, void* valid) { return count ? maybe : valid; }
 
 // ---- oneshot: mailbox [R, T, H] ----------------------------------------------------------------

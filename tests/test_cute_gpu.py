@@ -453,7 +453,7 @@ class TorchLaunch:
         import torch
 
         cu = self.cu
-        values = [ctypes.c_uint64(p) for p in pointers]  # the 10 pointers, CUTE_ABI.md order
+        values = [ctypes.c_uint64(p) for p in pointers]  # the 10 pointers, cute/ABI.md order
         values += [ctypes.c_float(eps), ctypes.c_float(out_eps), ctypes.c_int32(T), ctypes.c_int32(spin_limit)]
         if twoshot is not None:
             recv, gather, me = twoshot

@@ -45,7 +45,7 @@ BUILD_COMMAND = "python -m oproj_jax.build"
 # hung GPU. ~1.7e7 rounds of one 16-byte poll each: seconds, far above any real producer skew.
 DEFAULT_SPIN_LIMIT = 1 << 24
 _STATUS = {1: "a mailbox / gather-row slot", 2: "a twoshot receive slot"}  # codes the kernel stores
-ONESHOT_PARAMS = 14  # kernel parameters per CUTE_ABI.md
+ONESHOT_PARAMS = 14  # kernel parameters per cute/ABI.md
 TWOSHOT_PARAMS = 17
 
 
@@ -72,7 +72,7 @@ class CuteTwoshotResult(NamedTuple):
 
 
 def kernel_key(R: int, NB: int, *, has_delta: bool, groups: int, xmoe_replicas: int, twoshot: bool) -> dict:
-    """The manifest key of one cubin variant (CUTE_ABI.md)."""
+    """The manifest key of one cubin variant (cute/ABI.md)."""
     return cute_manifest.make_key(R, NB, bool(has_delta), groups, xmoe_replicas, bool(twoshot))
 
 
@@ -109,7 +109,7 @@ def _kernel(key: dict) -> _Kernel:
     want = TWOSHOT_PARAMS if key["twoshot"] else ONESHOT_PARAMS
     params, cluster = entry.get("params", ()), list(entry.get("cluster", ()))
     if len(params) != want or cluster != [7, 1, 1] or int(manifest["H"]) != HIDDEN:
-        raise ValueError(f"cubin {entry['cubin']} ({cute_manifest.describe(key)}) does not follow CUTE_ABI.md: "
+        raise ValueError(f"cubin {entry['cubin']} ({cute_manifest.describe(key)}) does not follow cute/ABI.md: "
                          f"expected {want} params, cluster [7, 1, 1], H {HIDDEN}; got {len(params)} params, "
                          f"cluster {cluster}, H {manifest['H']}; rebuild it with `{_key_build_command(key)}`")
     return _Kernel(str(cute_manifest.cubin_path(manifest, entry)), entry["entry"], int(entry["dynamic_smem_bytes"]),

@@ -38,7 +38,7 @@ from pathlib import Path
 from oproj_jax.cute import manifest as M
 
 ARCH = "sm_90a"
-ABI_ONESHOT = [".u64"] * 10 + [".f32", ".f32", ".u32", ".u32"]  # CUTE_ABI.md params 0..13
+ABI_ONESHOT = [".u64"] * 10 + [".f32", ".f32", ".u32", ".u32"]  # cute/ABI.md params 0..13
 ABI_TWOSHOT = ABI_ONESHOT + [".u64", ".u64", ".u32"]  # params 14..16
 
 
