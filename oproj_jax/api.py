@@ -47,7 +47,7 @@ class Dims(NamedTuple):
     H: int  # hidden size
 
 
-def _check_array(name: str, x: Any, ndim: int, layout: str) -> tuple[int, ...]:
+def check_array(name: str, x: Any, ndim: int, layout: str) -> tuple[int, ...]:
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"{name}: expected a bf16 array of shape {layout}, got {type(x).__name__}")
     try:
@@ -82,19 +82,19 @@ def check_arguments(
     mailbox, prefix, blocks, norm, query, out_norm, *, eps, out_eps, has_delta, groups, xmoe_replicas
 ) -> Dims:
     """Checks dtypes, ranks, shapes and options; returns the dimensions. Raises TypeError/ValueError."""
-    R, T, H = _check_array("mailbox", mailbox, 3, "[R, T, H]")
+    R, T, H = check_array("mailbox", mailbox, 3, "[R, T, H]")
     if R < 1 or T < 1 or H < 1:
         raise ValueError(f"mailbox: expected R, T, H >= 1, got shape {(R, T, H)}")
-    prefix_shape = _check_array("prefix", prefix, 2, "[T, H]")
+    prefix_shape = check_array("prefix", prefix, 2, "[T, H]")
     if prefix_shape != (T, H):
         raise ValueError(f"prefix: expected shape [T, H] = {(T, H)} (from mailbox), got {prefix_shape}")
-    bT, NB, bH = _check_array("blocks", blocks, 3, "[T, NB, H]")
+    bT, NB, bH = check_array("blocks", blocks, 3, "[T, NB, H]")
     if (bT, bH) != (T, H):
         raise ValueError(f"blocks: expected shape [T, NB, H] with T={T}, H={H}, got {(bT, NB, bH)}")
     if NB > MAX_BLOCKS:
         raise ValueError(f"blocks: expected at most {MAX_BLOCKS} completed blocks (NB), got NB={NB}")
     for name, w in (("norm", norm), ("query", query), ("out_norm", out_norm)):
-        (wH,) = _check_array(name, w, 1, "[H]")
+        (wH,) = check_array(name, w, 1, "[H]")
         if wH != H:
             raise ValueError(f"{name}: expected shape [H] = ({H},) (from mailbox), got ({wH},)")
     _check_eps("eps", eps)

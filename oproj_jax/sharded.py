@@ -142,8 +142,8 @@ def tp_oproj_consumer(
     """
     ranks = _check_layout(mesh, axis_name, mode, backend)
     opts = _options(options)
-    T, K = api._check_array("attn", attn, 2, "[T, heads*head_dim]")
-    wK, H = api._check_array("w_o", w_o, 2, "[heads*head_dim, H]")
+    T, K = api.check_array("attn", attn, 2, "[T, heads*head_dim]")
+    wK, H = api.check_array("w_o", w_o, 2, "[heads*head_dim, H]")
     if wK != K:
         raise ValueError(
             f"w_o: expected shape [heads*head_dim, H] with heads*head_dim = {K} (from attn), got {(wK, H)}"
