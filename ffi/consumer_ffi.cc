@@ -194,12 +194,12 @@ using Counter = ffi::Buffer<ffi::U32, 1>;
 using Status = ffi::Buffer<ffi::S32, 1>;
 using Scratch = ffi::Buffer<ffi::U32, 1>;
 
-// Checks the buffers every variant shares; returns T. `slots` is mailbox [R, T, H] (oneshot) or
-// the gather row [1, T, H] (twoshot).
-ffi::ErrorOr<int64_t> CheckCommon(std::string_view entry, const Bf16_3& slots, const Bf16_2& prefix,
+// Checks the operands every target shares; returns T. `slots` is mailbox [R, T, H] (oneshot,
+// ready) or the gather row [1, T, H] (twoshot).
+ffi::ErrorOr<int64_t> CheckInputs(std::string_view entry, const Bf16_3& slots, const Bf16_2& prefix,
                                   const Bf16_3& blocks, const Bf16_1& norm, const Bf16_1& query,
                                   const Bf16_1& out_norm, const ffi::Result<Bf16_2>& output,
-                                  const ffi::Result<Bf16_3>& xmoe, const Counter& hints, const Status& status) {
+                                  const ffi::Result<Bf16_3>& xmoe) {
   auto p = prefix.dimensions();
   const int64_t T = p[0], H = p[1];
   if (T < 1 || T > 65535) return ShapeError(entry, "prefix", "[T, H] with 1 <= T <= 65535 (grid.y)", p);
@@ -214,9 +214,17 @@ ffi::ErrorOr<int64_t> CheckCommon(std::string_view entry, const Bf16_3& slots, c
   if (o[0] != T || o[1] != H) return ShapeError(entry, "output", "[T, H] of prefix", o);
   auto x = xmoe->dimensions();
   if (x[1] != T || x[2] != H) return ShapeError(entry, "xmoe", "[reps, T, H] with T, H of prefix", x);
+  return T;
+}
+
+// The above plus the caller-owned flags of the protocol targets (oneshot, twoshot).
+ffi::ErrorOr<int64_t> CheckCommon(std::string_view entry, const Bf16_3& slots, const Bf16_2& prefix,
+                                  const Bf16_3& blocks, const Bf16_1& norm, const Bf16_1& query,
+                                  const Bf16_1& out_norm, const ffi::Result<Bf16_2>& output,
+                                  const ffi::Result<Bf16_3>& xmoe, const Counter& hints, const Status& status) {
   if (hints.dimensions()[0] != 1) return ShapeError(entry, "hints", "[1]", hints.dimensions());
   if (status.dimensions()[0] != 1) return ShapeError(entry, "status", "[1]", status.dimensions());
-  return T;
+  return CheckInputs(entry, slots, prefix, blocks, norm, query, out_norm, output, xmoe);
 }
 
 // A zero-size buffer may have no storage: the kernel ignores such operands, but still wants a
@@ -278,20 +286,14 @@ ffi::Error ReadyExecute(CUstream stream,
                         ffi::Result<Scratch> scratch,    // [2] u32: hints counter, status word (unread)
                         std::string_view cubin, std::string_view entry, int64_t smem, int64_t block,
                         float eps, float out_eps, int32_t spin_limit, bool pdl) {
-  auto p = prefix.dimensions();
-  const int64_t T = p[0], H = p[1];
-  if (T < 1 || T > 65535) return ShapeError(entry, "prefix", "[T, H] with 1 <= T <= 65535 (grid.y)", p);
-  if (H != int64_t(kCluster) * 1024) return ShapeError(entry, "prefix", "[T, 7168]", p);
-  auto m = mailbox.dimensions();
-  if (m[1] != T || m[2] != H) return ShapeError(entry, "mailbox", "[R, T, H] with T, H of prefix", m);
-  auto b = blocks.dimensions();
-  if (b[0] != T || b[2] != H) return ShapeError(entry, "blocks", "[T, NB, H] with T, H of prefix", b);
+  auto T = CheckInputs(entry, mailbox, prefix, blocks, norm, query, out_norm, output, xmoe);
+  if (T.has_error()) return T.error();
   if (scratch->dimensions()[0] != 2) return ShapeError(entry, "scratch", "[2]", scratch->dimensions());
   if (spin_limit >= 0)
     return ffi::Error::InvalidArgument(std::string(entry) + ": spin_limit: the ready target needs < 0, got " +
                                        std::to_string(spin_limit));
   if (auto error = InPlace(stream, entry, "prefix", prefix, prefix_out, 2); error.failure()) return error;
-  int32_t tokens = int32_t(T);
+  int32_t tokens = int32_t(*T);
   auto* words = static_cast<uint32_t*>(scratch->untyped_data());
   void* ptr[10] = {mailbox.untyped_data(),
                    prefix_out->untyped_data(),
