@@ -99,12 +99,10 @@ def main(argv=None) -> int:
     print(report.check_table(records))
     print()
     print(report.timing_table(records))
-    extra = report.skipped_lines(records)
-    if extra:
-        print(extra)
+    problems = report.problem_lines(records)
+    if problems:
+        print(problems)
     errors = [r for r in records if r.get("kind") == "error"]
-    for r in errors:
-        print(f"ERROR {r['backend']} {r['what']}: {r['error']}")
     failed = [r for r in records if r.get("kind") == "check" and not r["ok"]]
     print(f"\nwrote {out}" + (f" and {plot}" if not why_not else f" (no plot: {why_not})"))
     print(f"{len(failed)} failed checks, {len(errors)} errors, {records[0]['wall_s']} s in all")

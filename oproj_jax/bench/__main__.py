@@ -109,18 +109,16 @@ def main(argv=None) -> int:
     if args.check:
         print()
         print(report.check_table(records))
-    extra = report.skipped_lines(records)
-    if extra:
-        print(extra)
-    errors = [r for r in records if r.get("kind") == "error"]
-    for r in errors:
-        print(f"error {r['backend']} {r['what']}: {r['error']}")
+    problems = report.problem_lines(records)
+    if problems:
+        print(problems)
     if args.json:
         report.write_json(records, args.json)
         print(f"wrote {args.json}", file=sys.stderr)
     if args.plot:
         why_not = report.write_plot(records, args.plot)
         print(f"not plotting: {why_not}" if why_not else f"wrote {args.plot}", file=sys.stderr)
+    errors = [r for r in records if r.get("kind") == "error"]
     failed = [r for r in records if r.get("kind") == "check" and not r["ok"]]
     return 1 if (errors or failed) else 0
 

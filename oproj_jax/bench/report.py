@@ -106,6 +106,12 @@ def skipped_lines(records: list[dict]) -> str:
                      for r in records if r.get("kind") == "skipped")
 
 
+def problem_lines(records: list[dict]) -> str:
+    """What did not run: skipped backends/configs, then steps that raised."""
+    errors = [f"ERROR {r['backend']} {r['what']}: {r['error']}" for r in records if r.get("kind") == "error"]
+    return "\n".join(line for line in [skipped_lines(records), *errors] if line)
+
+
 def write_json(records: list[dict], path: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
