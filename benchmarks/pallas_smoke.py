@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from oproj_jax import configs, reference, testing
+from oproj_jax.bench import timing
 from oproj_jax.pallas import consumer as pallas_consumer
 
 EPS = dict(eps=1e-6, out_eps=1e-6)
@@ -80,7 +81,9 @@ def random_inputs(key, T, K, R=16, NB=8, H=configs.HIDDEN):
     return p0, mb, bl, w
 
 
-def chain_time(T: int, K: int, variant: dict, reps: int) -> float:
+def chain_time(T: int, K: int, variant: dict, reps: int, profile: bool = False) -> tuple[float, float | None]:
+    """Best wall time of the K-call chain; with `profile`, also the kernel time per call that
+    the profiler reports for it (device time, launch gaps excluded)."""
     p0, mb, bl, (n, q, on) = random_inputs(jax.random.key(T), T, K)
 
     @jax.jit
@@ -99,8 +102,11 @@ def chain_time(T: int, K: int, variant: dict, reps: int) -> float:
         t0 = time.perf_counter()
         jax.block_until_ready(chain(p0, mb, bl, n, q, on))
         best = min(best, time.perf_counter() - t0)
+    kernel_us = None
+    if profile:
+        kernel_us, _ = timing.profiled_us(lambda i: chain(p0, mb, bl, n, q, on), K)
     del mb, bl
-    return best
+    return best, kernel_us
 
 
 def main():
@@ -108,6 +114,7 @@ def main():
     ap.add_argument("--variants", nargs="+", default=["ring=4,split=7", "ring=4,split=1", "ring=2,split=1"])
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 64, 512, 4096])
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="also the profiler's kernel time per call")
     args = ap.parse_args()
     print(jax.devices(), jax.__version__)
     variants = [parse_variant(v) for v in args.variants]
@@ -131,14 +138,15 @@ def main():
         reps = 3 if T >= 2048 else 10
         for variant in variants:
             try:
-                t1, t2 = chain_time(T, k1, variant, reps), chain_time(T, k2, variant, reps)
+                (t1, _), (t2, kernel_us) = chain_time(T, k1, variant, reps), chain_time(T, k2, variant, reps, args.profile)
             except Exception as err:
                 print(f"T={T:5d} {variant} FAIL {type(err).__name__}: {str(err)[:1500]}", flush=True)
                 continue
             us = (t2 - t1) / (k2 - k1) * 1e6
             target = TARGETS_US.get(T)
             verdict = "" if target is None else f" target {target:.0f} us: {'met' if us <= target else 'MISSED'}"
-            print(f"T={T:5d} {variant}: {us:8.1f} us/call  {nbytes / us / 1e3:7.0f} GB/s"
+            kernel = "" if kernel_us is None else f"  kernel {kernel_us:7.1f} us"
+            print(f"T={T:5d} {variant}: {us:8.1f} us/call{kernel}  {nbytes / us / 1e3:7.0f} GB/s"
                   f"  (chains {k1}:{t1 * 1e3:.2f} ms {k2}:{t2 * 1e3:.2f} ms){verdict}", flush=True)
 
 

@@ -35,6 +35,8 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=20, help="timed executions per chain length")
     parser.add_argument("--no-checks", action="store_true")
     parser.add_argument("--no-timings", action="store_true")
+    parser.add_argument("--no-reference-timing", action="store_true",
+                        help="time the kernels only (variant sweeps; speedups are then left out)")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiler cross-check")
     parser.add_argument("--check-max-t", type=int, default=None, help="only checks with T <= this (partial runs)")
     parser.add_argument("--tokens", default=None, help="comma-separated subset of the BENCH token counts")
@@ -63,8 +65,9 @@ def main(argv=None) -> int:
         print(f"run_h200.py: --backends: unknown {unknown}; known {sorted(status)}", file=sys.stderr)
         return 2
     runnable = [b for b in chosen if status[b] is None]
-    kernels = [b for b in runnable if b not in ("reference", bench_backends.TORCH)]
-    timed = ["reference"] + kernels + ([bench_backends.TORCH] if bench_backends.TORCH in runnable else [])
+    kernels = [b for b in runnable if b not in ("reference", *bench_backends.TORCH_PROCESS)]
+    timed = (([] if args.no_reference_timing else ["reference"]) + kernels
+             + [b for b in bench_backends.TORCH_PROCESS if b in runnable])
 
     check_configs = [c for c in configs.GPU_CHECKS if args.check_max_t is None or c.T <= args.check_max_t]
     tokens = {int(t) for t in args.tokens.split(",")} if args.tokens else set(configs.BENCH_T)

@@ -6,7 +6,6 @@ Every call that may poll a slot nobody publishes runs with a bounded spin_limit,
 shows up as a status code, not a hung GPU.
 """
 
-import ctypes
 import functools
 import json
 import os
@@ -24,7 +23,7 @@ import numpy as np
 import pytest
 
 from oproj_jax import configs, ffi, reference, testing
-from oproj_jax.cute import backend
+from oproj_jax.cute import backend, driver_launch
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU below
 
@@ -215,28 +214,21 @@ def _driver():
     return driver
 
 
-def _ok(result, what):
-    err = result[0] if isinstance(result, tuple) else result
-    if int(err) != 0:
-        raise RuntimeError(f"{what}: CUDA error {err}")
-    return result[1] if isinstance(result, tuple) and len(result) == 2 else None
-
-
 def publish_later(ptr: int, data: np.ndarray, delay: float, stamp: dict) -> threading.Thread:
     """Writes `data` to device address `ptr` after `delay` s, on a stream of its own (another thread)."""
     cu = _driver()
 
     def work():
-        _ok(cu.cuInit(0), "cuInit")
-        ctx = _ok(cu.cuDevicePrimaryCtxRetain(_ok(cu.cuDeviceGet(0), "cuDeviceGet")), "cuDevicePrimaryCtxRetain")
-        _ok(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-        stream = _ok(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        driver_launch.check(cu.cuInit(0), "cuInit")
+        ctx = driver_launch.check(cu.cuDevicePrimaryCtxRetain(driver_launch.check(cu.cuDeviceGet(0), "cuDeviceGet")), "cuDevicePrimaryCtxRetain")
+        driver_launch.check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        stream = driver_launch.check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
         host = np.ascontiguousarray(data)
         time.sleep(delay)
         stamp["write"] = time.perf_counter()
-        _ok(cu.cuMemcpyHtoDAsync(cu.CUdeviceptr(ptr), host.ctypes.data, host.nbytes, stream), "cuMemcpyHtoDAsync")
-        _ok(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
-        _ok(cu.cuStreamDestroy(stream), "cuStreamDestroy")
+        driver_launch.check(cu.cuMemcpyHtoDAsync(cu.CUdeviceptr(ptr), host.ctypes.data, host.nbytes, stream), "cuMemcpyHtoDAsync")
+        driver_launch.check(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
+        driver_launch.check(cu.cuStreamDestroy(stream), "cuStreamDestroy")
 
     thread = threading.Thread(target=work)
     thread.start()
@@ -432,49 +424,6 @@ def test_xla_command_buffer(cute, tmp_path):
 # ---- the same cubin from PyTorch ---------------------------------------------------------------
 
 
-class TorchLaunch:
-    """The cubin launched by cuda-python's driver API on torch's current stream."""
-
-    def __init__(self, kernel):
-        import torch
-
-        cu = _driver()
-        torch.zeros(1, device="cuda")  # make torch's (primary) context current
-        self.cu, self.kernel = cu, kernel
-        with open(kernel.cubin, "rb") as f:
-            self.image = f.read()
-        self.module = _ok(cu.cuModuleLoadData(self.image), "cuModuleLoadData")
-        self.fn = _ok(cu.cuModuleGetFunction(self.module, kernel.entry.encode()), "cuModuleGetFunction")
-        attr = cu.CUfunction_attribute
-        _ok(cu.cuFuncSetAttribute(self.fn, attr.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, kernel.smem), "smem")
-        _ok(cu.cuFuncSetAttribute(self.fn, attr.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1), "cluster")
-
-    def __call__(self, T: int, pointers, eps, out_eps, spin_limit, twoshot=None):
-        import torch
-
-        cu = self.cu
-        values = [ctypes.c_uint64(p) for p in pointers]  # the 10 pointers, cute/ABI.md order
-        values += [ctypes.c_float(eps), ctypes.c_float(out_eps), ctypes.c_int32(T), ctypes.c_int32(spin_limit)]
-        if twoshot is not None:
-            recv, gather, me = twoshot
-            values += [ctypes.c_uint64(recv), ctypes.c_uint64(gather), ctypes.c_int32(me)]
-        params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-        cluster = cu.CUlaunchAttribute()
-        cluster.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-        cluster.value.clusterDim.x, cluster.value.clusterDim.y, cluster.value.clusterDim.z = 7, 1, 1
-        pdl = cu.CUlaunchAttribute()
-        pdl.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        pdl.value.programmaticStreamSerializationAllowed = 1
-        config = cu.CUlaunchConfig()
-        config.gridDimX, config.gridDimY, config.gridDimZ = 7, T, 1
-        config.blockDimX, config.blockDimY, config.blockDimZ = self.kernel.block, 1, 1
-        config.sharedMemBytes = self.kernel.smem
-        config.hStream = cu.CUstream(torch.cuda.current_stream().cuda_stream)
-        config.attrs, config.numAttrs = [cluster, pdl], 2
-        _ok(cu.cuLaunchKernelEx(config, self.fn, ctypes.addressof(params), 0), "cuLaunchKernelEx")
-        self._keep = (values, params)  # alive until the launch has read them (it copies at launch)
-
-
 def _torch_bf16(a: np.ndarray):
     import torch
 
@@ -492,7 +441,11 @@ def test_torch_launch_matches_jax_bits(cute, config):
     me = config.R // 2 - 1
     key = backend.kernel_key(config.R, config.NB, has_delta=config.has_delta, groups=config.groups,
                              xmoe_replicas=config.xmoe_replicas, twoshot=config.twoshot)
-    launch = TorchLaunch(backend._kernel(key))
+    try:
+        import cuda.bindings  # noqa: F401
+    except ImportError as err:
+        pytest.skip(f"cuda-python (cuda.bindings) is not installed: {err}")
+    launch = driver_launch.torch_launcher(backend._kernel(key, config.T))
     T, H, reps = config.T, config.H, config.xmoe_replicas
     if config.twoshot:
         recv_np, slots_np = twoshot_operands(config, x, me)

@@ -32,7 +32,7 @@ def parse_args(argv):
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n", 1)[1])
     parser.add_argument("--backends", default="all",
-                        help="comma-separated backend names from the registry, plus 'torch'; 'all' (default) = every "
+                        help="comma-separated backend names from the registry, plus 'torch' and 'cute-graph'; 'all' (default) = every "
                              "one that can run here")
     parser.add_argument("--tokens", type=_int_list, default=None,
                         help=f"token counts T (default {','.join(map(str, configs.BENCH_T))} on GPU, 1,8 on CPU)")

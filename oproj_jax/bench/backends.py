@@ -1,8 +1,9 @@
 """Which backends can run here: the JAX registry (api.py) plus the optional PyTorch baseline.
 
 Every name in the registry is asked, one at a time, so a backend whose module is missing or
-broken is reported with its reason instead of hiding the others. "torch" is not a registry
-backend: it times `oproj_jax.torch_ref` on CUDA tensors as a baseline, imported lazily.
+broken is reported with its reason instead of hiding the others. Two names are not registry
+backends: "torch" times `oproj_jax.torch_ref` on CUDA tensors as a baseline, and "cute-graph"
+times the CuTe cubin launched by cuda-python inside CUDA graphs; both run in PyTorch's process.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 from oproj_jax import api
 
 TORCH = "torch"
+CUTE_GRAPH = "cute-graph"
+TORCH_PROCESS = (TORCH, CUTE_GRAPH)  # timed in PyTorch's process, through CUDA graphs (not registry names)
 
 
 def registry_names() -> list[str]:
@@ -37,10 +40,23 @@ def torch_unavailable_reason() -> str | None:
     return None
 
 
+def cute_graph_unavailable_reason(status: dict[str, str | None]) -> str | None:
+    """None when the CuTe cubin can be launched from PyTorch (cute runs, torch, cuda-python)."""
+    why = status.get("cute", "not in the registry") or torch_unavailable_reason()
+    if why:
+        return why
+    try:
+        import cuda.bindings.driver  # noqa: F401
+    except ImportError as err:
+        return f"cuda-python (cuda.bindings) is not installed ({err})"
+    return None
+
+
 def backend_status(platform: str, *, with_torch: bool = True) -> dict[str, str | None]:
     status = jax_backend_status(platform)
     if with_torch:
         status[TORCH] = torch_unavailable_reason()
+        status[CUTE_GRAPH] = cute_graph_unavailable_reason(status)
     return status
 
 
@@ -48,6 +64,8 @@ def unsupported_reason(name: str, dims: api.Dims, options: dict) -> str | None:
     """None when backend `name` handles these dims/options, else why not (the registry's answer)."""
     if name == TORCH:
         return None
+    if name == CUTE_GRAPH:
+        name = "cute"
     try:
         return api.unsupported_reason(name, dims, **options)
     except Exception as err:

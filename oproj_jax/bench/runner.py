@@ -53,6 +53,19 @@ def _driver() -> str | None:
         return None
 
 
+def _cubin_build() -> dict | None:
+    """Where the CuTe cubins came from and how they were built (None: no manifest)."""
+    from oproj_jax.cute import manifest
+
+    try:
+        built = manifest.load_manifest()
+    except (OSError, ValueError):
+        return None
+    bounds = sorted({entry.get("min_ctas", 0) for entry in built.get("kernels", [])})
+    return dict(dir=str(manifest.default_dir()), cutlass_dsl=built.get("cutlass_dsl"), min_ctas=bounds,
+                large_t=manifest.LARGE_T, kernels=len(built.get("kernels", [])))
+
+
 def header(seed: int, status: dict[str, str | None], **extra) -> dict:
     import jaxlib
 
@@ -74,6 +87,7 @@ def header(seed: int, status: dict[str, str | None], **extra) -> dict:
         ),
         seed=seed,
         backends={name: reason or "available" for name, reason in status.items()},
+        cute_cubins=_cubin_build(),
         **extra,
     )
 
@@ -100,7 +114,7 @@ def run_checks(backends: list[str], config_list, cases: bench_inputs.HostCases) 
     """The reference first on every config, then each other backend against it."""
     records = []
     checker = Checker()
-    names = ["reference"] + [b for b in backends if b not in ("reference", bench_backends.TORCH)]
+    names = ["reference"] + [b for b in backends if b not in ("reference", *bench_backends.TORCH_PROCESS)]
     for n, config in enumerate(config_list):
         case = cases.get(config)
         reference_prefix = None
@@ -167,7 +181,7 @@ def run_timings(backends: list[str], config_list, cases: bench_inputs.HostCases,
     and profiler must not share a process with JAX: CUPTI takes one subscriber, and a failed
     capture poisons the other library's stream)."""
     records = []
-    jax_names = [b for b in backends if b != bench_backends.TORCH]
+    jax_names = [b for b in backends if b not in bench_backends.TORCH_PROCESS]
     for config in config_list if jax_names else ():
         case = cases.get(config)
         k1, k2 = bench_timing.chain_lengths(config, platform)
@@ -195,12 +209,15 @@ def run_timings(backends: list[str], config_list, cases: bench_inputs.HostCases,
             _log_timing(name, config, t)
         del pool
         gc.collect()
-    if bench_backends.TORCH in backends:
-        records += run_torch_timings(config_list, cases, platform, reps, profile)
+    torch_names = [b for b in backends if b in bench_backends.TORCH_PROCESS]
+    if torch_names:
+        records += run_torch_timings(torch_names, config_list, cases, platform, reps, profile)
     return records
 
 
-def run_torch_timings(config_list, cases: bench_inputs.HostCases, platform: str, reps: int, profile: bool) -> list[dict]:
+def run_torch_timings(names: list[str], config_list, cases: bench_inputs.HostCases, platform: str, reps: int,
+                      profile: bool) -> list[dict]:
+    """`names` (bench_backends.TORCH_PROCESS) timed in one PyTorch process through CUDA graphs."""
     import concurrent.futures
     import multiprocessing
 
@@ -208,7 +225,7 @@ def run_torch_timings(config_list, cases: bench_inputs.HostCases, platform: str,
 
     records = []
     ctx = multiprocessing.get_context("spawn")
-    log("torch baseline: starting its process")
+    log(f"{', '.join(names)}: starting PyTorch's process")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
         if platform == "gpu":
             try:
@@ -222,17 +239,22 @@ def run_torch_timings(config_list, cases: bench_inputs.HostCases, platform: str,
                 records.append({**variant, "kind": "copy_variant", "variant": variant["kind"]})
         for config in config_list:
             k1, k2 = bench_timing.chain_lengths(config, platform)
-            future = pool.submit(torch_timing.time_torch_safe, cases.get(config), k1, k2, reps,
-                                 l2_bytes=bench_timing.l2_bytes(platform), profile=profile)
-            try:
-                t = future.result()
-            except Exception as err:  # the process died
-                records.append(_error(bench_backends.TORCH, f"timing {config.name}", err))
-                break
-            if isinstance(t, str):
-                records.append(dict(kind="error", backend=bench_backends.TORCH, what=f"timing {config.name}", error=t))
-                log(f"ERROR torch timing {config.name}: {t}")
-                continue
-            records.append(_timing_record(bench_backends.TORCH, config, t))
-            _log_timing(bench_backends.TORCH, config, t)
+            for name in names:
+                reason = bench_backends.unsupported_reason(name, _dims(config), _options(config))
+                if reason:
+                    records.append(_skip(name, f"timing {config.name}", reason))
+                    continue
+                future = pool.submit(torch_timing.time_safe, name, cases.get(config), k1, k2, reps,
+                                     l2_bytes=bench_timing.l2_bytes(platform), profile=profile)
+                try:
+                    t = future.result()
+                except Exception as err:  # the process died
+                    records.append(_error(name, f"timing {config.name}", err))
+                    return records
+                if isinstance(t, str):
+                    records.append(dict(kind="error", backend=name, what=f"timing {config.name}", error=t))
+                    log(f"ERROR {name} timing {config.name}: {t}")
+                    continue
+                records.append(_timing_record(name, config, t))
+                _log_timing(name, config, t)
     return records

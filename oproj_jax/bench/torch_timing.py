@@ -1,8 +1,11 @@
-"""The PyTorch baseline: oproj_jax.torch_ref (explicit rank-order adds + AttnRes in torch ops)
-on CUDA tensors, timed like the JAX backends: chains of K dependent calls (the prefix threaded
-through, each call on its own input set), captured once per input list into a CUDA graph (no
-host launch cost), replayed and timed with CUDA events; per-call time = slope over K1, K2.
-Cross-check: torch.profiler's CUDA kernel durations of one K2 replay. Imported lazily."""
+"""Timings in PyTorch's process, through CUDA graphs: chains of K dependent calls (the prefix
+threaded through, each call on its own input set), captured once per input list into a CUDA
+graph (no host launch cost), replayed and timed with CUDA events; per-call time = slope over
+K1, K2. Cross-check: torch.profiler's CUDA kernel durations of one K2 replay. Imported lazily.
+
+  "torch":      the PyTorch baseline, oproj_jax.torch_ref (rank-order adds + AttnRes in torch ops)
+  "cute-graph": the CuTe cubin itself, launched by cuda-python (cute/driver_launch.py) as a
+                CUDA-graph decode loop (vLLM's way) would run it: no XLA launch in between"""
 
 from __future__ import annotations
 
@@ -20,27 +23,14 @@ def _to_cuda(torch, x):  # numpy bf16 -> torch bf16 on the GPU
     return torch.from_numpy(raw).to("cuda").view(torch.bfloat16)
 
 
-def time_torch(case: bench_inputs.HostCase, k1: int, k2: int, reps: int, *, l2_bytes: int, profile: bool) -> Timing:
-    import torch
+def _n_lists(config, k2: int, l2_bytes: int) -> int:
+    """Input lists to rotate through so that a buffer is re-read only after >= 4x L2 of others."""
+    return min(64, max(2, math.ceil(4 * l2_bytes / (k2 * bench_inputs.stream_bytes(config))) + 1))
 
-    from oproj_jax import torch_ref
 
-    config = case.config
-    options = dict(eps=EPS, out_eps=EPS, has_delta=config.has_delta, groups=config.groups, xmoe_replicas=config.xmoe_replicas)
-    list_bytes = k2 * bench_inputs.stream_bytes(config)
-    n_lists = min(64, max(2, math.ceil(4 * l2_bytes / list_bytes) + 1))
-    base = {name: _to_cuda(torch, case.inputs[name]) for name in ("mailbox", "blocks", "prefix", *bench_inputs.WEIGHTS)}
-    weights = [base[name] for name in bench_inputs.WEIGHTS]
-    lists = [([base["mailbox"].clone() for _ in range(k2)], [base["blocks"].clone() for _ in range(k2)], base["prefix"].clone())
-             for _ in range(n_lists)]
-
-    def chain(k, mailboxes, blocks, prefix):
-        outs = []
-        for i in range(k):
-            prefix, output, xmoe = torch_ref.consumer(mailboxes[i], prefix, blocks[i], *weights, **options)
-            outs.append((output, xmoe))
-        return prefix, outs
-
+def graph_timing(torch, chain, lists, k1: int, k2: int, reps: int, profile: bool, what: str) -> Timing:
+    """Per-call device time of `chain(k, *list)` (k dependent calls on one input list), each
+    (k, list) captured once into a CUDA graph, replays timed with CUDA events; slope over K1, K2."""
     pool = torch.cuda.graph_pool_handle()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -56,6 +46,7 @@ def time_torch(case: bench_inputs.HostCase, k1: int, k2: int, reps: int, *, l2_b
                 chain(k, *lst)
             graphs[k, j] = g
     torch.cuda.synchronize()
+    n_lists = len(lists)
 
     def replay_us(k, j) -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -78,13 +69,96 @@ def time_torch(case: bench_inputs.HostCase, k1: int, k2: int, reps: int, *, l2_b
     noise = (mad(t1) + mad(t2)) / (k2 - k1)
     timing = Timing((m2 - m1) / (k2 - k1), k1, k2, reps, n_lists * k2, m1, m2, noise)
     timing.method_text = (
-        f"CUDA graph of an unrolled chain of dependent calls, replay timed with CUDA events: (t(K2)-t(K1))/(K2-K1), "
-        f"K1={k1}, K2={k2}, median of {reps}, {n_lists * k2} distinct input sets rotated (L2-cold)"
+        f"CUDA graph of an unrolled chain of dependent {what}, replay timed with CUDA events: "
+        f"(t(K2)-t(K1))/(K2-K1), K1={k1}, K2={k2}, median of {reps}, {n_lists * k2} distinct input sets "
+        f"rotated (L2-cold)"
     )
     if profile:
         timing.us_profiler, timing.profiler_note = _profiled(torch, graphs[k2, 0], k2)
-    del graphs, lists, base
+    del graphs
     torch.cuda.synchronize()
+    return timing
+
+
+def _device_lists(torch, case, k2: int, l2_bytes: int):
+    base = {name: _to_cuda(torch, case.inputs[name]) for name in ("mailbox", "blocks", "prefix", *bench_inputs.WEIGHTS)}
+    weights = [base[name] for name in bench_inputs.WEIGHTS]
+    lists = [([base["mailbox"].clone() for _ in range(k2)], [base["blocks"].clone() for _ in range(k2)], base["prefix"].clone())
+             for _ in range(_n_lists(case.config, k2, l2_bytes))]
+    return base, weights, lists
+
+
+def time_torch(case: bench_inputs.HostCase, k1: int, k2: int, reps: int, *, l2_bytes: int, profile: bool) -> Timing:
+    import torch
+
+    from oproj_jax import torch_ref
+
+    config = case.config
+    options = dict(eps=EPS, out_eps=EPS, has_delta=config.has_delta, groups=config.groups, xmoe_replicas=config.xmoe_replicas)
+    base, weights, lists = _device_lists(torch, case, k2, l2_bytes)
+
+    def chain(k, mailboxes, blocks, prefix):
+        outs = []
+        for i in range(k):
+            prefix, output, xmoe = torch_ref.consumer(mailboxes[i], prefix, blocks[i], *weights, **options)
+            outs.append((output, xmoe))
+        return prefix, outs
+
+    timing = graph_timing(torch, chain, lists, k1, k2, reps, profile, "calls")
+    del lists, base
+    torch.cuda.empty_cache()
+    return timing
+
+
+def time_cute_graph(case: bench_inputs.HostCase, k1: int, k2: int, reps: int, *, l2_bytes: int, profile: bool) -> Timing:
+    """The CuTe cubin (ready mode, as backend="cute" runs it) launched through the driver API
+    (cute/driver_launch.py) into CUDA graphs: the kernel's device time without XLA's host
+    launch per call. Checked first: one launch's prefix must equal torch_ref's bits."""
+    import torch
+
+    from oproj_jax import torch_ref
+    from oproj_jax.cute import backend, driver_launch
+
+    config = case.config
+    if config.twoshot:
+        raise ValueError("cute-graph times the oneshot kernel only")
+    key = backend.kernel_key(config.R, config.NB, has_delta=config.has_delta, groups=config.groups,
+                             xmoe_replicas=config.xmoe_replicas, twoshot=False)
+    T, H, reps_x = config.T, config.H, config.xmoe_replicas
+    launch = driver_launch.torch_launcher(backend._kernel(key, T))
+    base, weights, lists = _device_lists(torch, case, k2, l2_bytes)
+    flags = torch.zeros(2, dtype=torch.int32, device="cuda")  # [status, hints]
+
+    def call(mailbox, prefix, blocks):  # prefix updated in place; returns (output, xmoe)
+        output = torch.empty((T, H), dtype=torch.bfloat16, device="cuda")
+        xmoe = torch.empty((max(reps_x, 1), T, H), dtype=torch.bfloat16, device="cuda")
+        pointers = [mailbox.data_ptr(), prefix.data_ptr(), blocks.data_ptr(), *(w.data_ptr() for w in weights),
+                    output.data_ptr(), xmoe.data_ptr(), flags.data_ptr() + 4, flags.data_ptr()]
+        launch(T, pointers, EPS, EPS, backend.READY_SPIN_LIMIT)
+        return output, xmoe
+
+    # check: one launch against the torch reference (prefix bits; output to bf16 rounding)
+    prefix = base["prefix"].clone()
+    output, _ = call(base["mailbox"], prefix, base["blocks"])
+    want_prefix, want_output, _ = torch_ref.consumer(base["mailbox"], base["prefix"], base["blocks"], *weights,
+                                                     eps=EPS, out_eps=EPS, has_delta=config.has_delta,
+                                                     groups=config.groups, xmoe_replicas=0)
+    torch.cuda.synchronize()
+    if not torch.equal(prefix.view(torch.int16), want_prefix.view(torch.int16)):
+        raise RuntimeError(f"cute-graph {config.name}: prefix bits differ from torch_ref")
+    err = float((output.double() - want_output.double()).norm() / want_output.double().norm())
+    if not err < 4e-3:  # testing.OUTPUT_REL_L2_TOL: two bf16 roundings of the same f32 math
+        raise RuntimeError(f"cute-graph {config.name}: output rel L2 {err:.2e} vs torch_ref")
+
+    def chain(k, mailboxes, blocks, prefix):
+        return [call(mailboxes[i], prefix, blocks[i]) for i in range(k)]
+
+    timing = graph_timing(torch, chain, lists, k1, k2, reps, profile, "kernel launches (cuda-python, PDL)")
+    timing.method_text += f"; checked first: prefix bits == torch_ref, output rel L2 {err:.1e}"
+    if timing.profiler_note:  # PDL: each launch starts early and waits in griddepcontrol.wait
+        timing.profiler_note += ("; the kernels of a PDL chain overlap, so their summed durations exceed the "
+                                 "chain's wall time: use the slope")
+    del lists, base
     torch.cuda.empty_cache()
     return timing
 
@@ -129,10 +203,10 @@ def copy_bandwidth_safe(reps: int) -> dict | str:
         return f"{type(err).__name__}: {err}"
 
 
-def time_torch_safe(*args, **kwargs) -> Timing | str:
-    """time_torch, or the error as a string (runs in a worker process; keeps it alive)."""
+def time_safe(name: str, *args, **kwargs) -> Timing | str:
+    """TIMERS[name](...), or the error as a string (runs in a worker process; keeps it alive)."""
     try:
-        return time_torch(*args, **kwargs)
+        return TIMERS[name](*args, **kwargs)
     except Exception as err:
         import traceback
 
@@ -153,3 +227,6 @@ def _profiled(torch, graph, k: int) -> tuple[float | None, str]:
         return total / k, f"{len(kernels)} CUDA kernel events in one K2 graph replay (torch.profiler)"
     except Exception as err:
         return None, f"torch.profiler failed: {type(err).__name__}: {err}"
+
+
+TIMERS = {"torch": time_torch, "cute-graph": time_cute_graph}  # bench/backends.py: TORCH, CUTE_GRAPH

@@ -1,0 +1,83 @@
+"""The same cubin launched without XLA: cuda-python's driver API on a given CUDA stream.
+
+Used by the cross-framework parity test (PyTorch tensors, eager and CUDA-graph capture) and by
+the benchmark's CUDA-graph timing of the kernel. The launch is the FFI handler's: grid (7, T),
+cluster 7, programmatic stream serialization (PDL), parameters in cute/ABI.md order.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+
+def _driver():
+    from cuda.bindings import driver  # imported here: CPU machines need not have cuda-python
+
+    return driver
+
+
+def check(result, what: str):
+    """The value of a cuda-python call, or a RuntimeError naming the call and the CUDA error."""
+    err = result[0] if isinstance(result, tuple) else result
+    if int(err) != 0:
+        raise RuntimeError(f"oproj cute driver launch: {what}: CUDA error {err}")
+    return result[1] if isinstance(result, tuple) and len(result) == 2 else None
+
+
+class DriverLaunch:
+    """One cubin variant (backend._kernel(key, T)) loaded into the current context."""
+
+    def __init__(self, kernel):
+        cu = _driver()
+        self.cu, self.kernel = cu, kernel
+        with open(kernel.cubin, "rb") as f:
+            self.image = f.read()
+        self.module = check(cu.cuModuleLoadData(self.image), "cuModuleLoadData")
+        self.fn = check(cu.cuModuleGetFunction(self.module, kernel.entry.encode()), "cuModuleGetFunction")
+        attr = cu.CUfunction_attribute
+        check(cu.cuFuncSetAttribute(self.fn, attr.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, kernel.smem),
+              "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")
+        check(cu.cuFuncSetAttribute(self.fn, attr.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1),
+              "cuFuncSetAttribute(NON_PORTABLE_CLUSTER_SIZE_ALLOWED)")
+        self._keep = []
+
+    def __call__(self, stream: int, T: int, pointers, eps: float, out_eps: float, spin_limit: int,
+                 twoshot=None) -> None:
+        """Launch on `stream` (a CUstream handle as an int). `pointers`: the 10 device
+        addresses of cute/ABI.md; `twoshot`: (recv, gather, me) or None."""
+        cu = self.cu
+        values = [ctypes.c_uint64(p) for p in pointers]
+        values += [ctypes.c_float(eps), ctypes.c_float(out_eps), ctypes.c_int32(T), ctypes.c_int32(spin_limit)]
+        if twoshot is not None:
+            recv, gather, me = twoshot
+            values += [ctypes.c_uint64(recv), ctypes.c_uint64(gather), ctypes.c_int32(me)]
+        params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+        cluster = cu.CUlaunchAttribute()
+        cluster.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        cluster.value.clusterDim.x, cluster.value.clusterDim.y, cluster.value.clusterDim.z = 7, 1, 1
+        pdl = cu.CUlaunchAttribute()
+        pdl.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        pdl.value.programmaticStreamSerializationAllowed = 1
+        config = cu.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = 7, T, 1
+        config.blockDimX, config.blockDimY, config.blockDimZ = self.kernel.block, 1, 1
+        config.sharedMemBytes = self.kernel.smem
+        config.hStream = cu.CUstream(stream)
+        config.attrs, config.numAttrs = [cluster, pdl], 2
+        check(cu.cuLaunchKernelEx(config, self.fn, ctypes.addressof(params), 0), "cuLaunchKernelEx")
+        self._keep = (values, params)  # alive until the launch has copied them
+
+
+def torch_launcher(kernel):
+    """A DriverLaunch in torch's (primary) context; call it as f(T, pointers, ...) to launch on
+    torch's current stream (eager or under torch.cuda.graph capture)."""
+    import torch
+
+    torch.zeros(1, device="cuda")  # make torch's primary context current
+    launch = DriverLaunch(kernel)
+
+    def on_current_stream(T, pointers, eps, out_eps, spin_limit, twoshot=None):
+        launch(torch.cuda.current_stream().cuda_stream, T, pointers, eps, out_eps, spin_limit, twoshot)
+
+    on_current_stream.launch = launch
+    return on_current_stream
