@@ -40,8 +40,16 @@ def built(tmp_path_factory):
     from oproj_jax.cute import build
 
     out = tmp_path_factory.mktemp("cubins")
-    build.build_cubins(out, KEYS, jobs=2)
+    build.build_cubins(out, KEYS, jobs=2)  # each key with every launch bound of M.MIN_CTAS
     return out, M.load_manifest(out)
+
+
+BUILDS = [(key, m) for key in KEYS for m in M.MIN_CTAS]
+
+
+def _build_id(build):
+    key, min_ctas = build
+    return f"{M.describe(key)} min_ctas={min_ctas}"
 
 
 def _elf_symbols(data: bytes) -> set[bytes]:
@@ -63,27 +71,78 @@ def _elf_symbols(data: bytes) -> set[bytes]:
     return names
 
 
-def test_manifest_lists_every_key_once(built):
+def _elf_sections(data: bytes) -> dict[str, bytes]:
+    import struct
+
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    names = sections[shstrndx]
+    out = {}
+    for sh in sections:
+        start = names[4] + sh[0]
+        out[data[start: data.index(b"\0", start)].decode()] = data[sh[4]: sh[4] + sh[5]]
+    return out
+
+
+def _register_count(data: bytes) -> int:
+    """EIATTR_REGCOUNT (0x2f) from the cubin's .nv.info: what ptxas allocated per thread."""
+    import struct
+
+    info = _elf_sections(data)[".nv.info"]
+    i = 0
+    while i < len(info):
+        fmt, attr = info[i], info[i + 1]
+        if fmt != 4:  # the module-level .nv.info holds sized (EIFMT_SVAL) attributes only
+            break
+        size, = struct.unpack_from("<H", info, i + 2)
+        if attr == 0x2F:
+            return struct.unpack_from("<II", info, i + 4)[1]
+        i += 4 + size
+    raise AssertionError("no EIATTR_REGCOUNT in .nv.info")
+
+
+def test_manifest_lists_every_build_once(built):
     out, manifest = built
     assert manifest["arch"] == "sm_90a" and manifest["H"] == 7168
-    assert sorted(json.dumps(e["key"], sort_keys=True) for e in manifest["kernels"]) == sorted(
-        json.dumps(k, sort_keys=True) for k in KEYS)
+    assert sorted(json.dumps([e["key"], e["min_ctas"]], sort_keys=True) for e in manifest["kernels"]) == sorted(
+        json.dumps([k, m], sort_keys=True) for k, m in BUILDS)
+    assert len({e["cubin"] for e in manifest["kernels"]}) == len(BUILDS)
 
 
-@pytest.mark.parametrize("key", KEYS, ids=M.describe)
-def test_cubin_is_elf_with_the_manifest_entry(built, key):
+@pytest.mark.parametrize("build", BUILDS, ids=_build_id)
+def test_cubin_is_elf_with_the_manifest_entry(built, build):
     out, manifest = built
-    entry = M.find(manifest, key)
+    entry = M.find(manifest, *build)
     assert entry is not None
     data = M.cubin_path(manifest, entry).read_bytes()
     assert data[:4] == b"\x7fELF"
     assert entry["entry"].encode() in _elf_symbols(data)
 
 
-@pytest.mark.parametrize("key", KEYS, ids=M.describe)
-def test_params_block_cluster_smem_follow_the_abi(built, key):
+@pytest.mark.parametrize("build", BUILDS, ids=_build_id)
+def test_launch_bound_reaches_the_register_allocation(built, build):
+    key, min_ctas = build
     _, manifest = built
-    entry = M.find(manifest, key)
+    entry = M.find(manifest, key, min_ctas)
+    regs = _register_count(M.cubin_path(manifest, entry).read_bytes())
+    threads = entry["block"][0]
+    if min_ctas:  # 64K registers per SM shared by min_ctas CTAs
+        assert regs * threads * min_ctas <= 65536, regs
+    else:
+        assert regs <= 255
+
+
+def test_small_t_uses_the_unbounded_build_large_t_the_bounded_one():
+    assert M.min_ctas_for(1) == M.min_ctas_for(M.LARGE_T) == 0
+    assert M.min_ctas_for(M.LARGE_T + 1) == M.min_ctas_for(4096) == 3
+
+
+@pytest.mark.parametrize("build", BUILDS, ids=_build_id)
+def test_params_block_cluster_smem_follow_the_abi(built, build):
+    key, min_ctas = build
+    _, manifest = built
+    entry = M.find(manifest, key, min_ctas)
     assert entry["params"] == (TWOSHOT_PARAMS if key["twoshot"] else ONESHOT_PARAMS)
     assert entry["block"] == [128 * key["groups"], 1, 1]
     assert entry["cluster"] == [7, 1, 1]

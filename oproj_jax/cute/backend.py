@@ -76,9 +76,9 @@ def kernel_key(R: int, NB: int, *, has_delta: bool, groups: int, xmoe_replicas: 
     return cute_manifest.make_key(R, NB, bool(has_delta), groups, xmoe_replicas, bool(twoshot))
 
 
-def _key_build_command(key: dict) -> str:
+def _key_build_command(key: dict, min_ctas: int) -> str:
     flags = ",".join(str(int(key[k])) for k in cute_manifest.KEY_FIELDS)
-    return f"python -m oproj_jax.cute.build --key {flags}"
+    return f"python -m oproj_jax.cute.build --key {flags} --min-ctas {min_ctas}"
 
 
 def _manifest() -> tuple[dict | None, str]:
@@ -97,21 +97,23 @@ class _Kernel(NamedTuple):
     block: int
 
 
-def _kernel(key: dict) -> _Kernel:
-    """The cubin for `key`, or a ValueError naming the key and the command that builds it."""
+def _kernel(key: dict, T: int) -> _Kernel:
+    """The cubin for `key` and T tokens (manifest.min_ctas_for), or a ValueError naming the
+    key and the command that builds it."""
     manifest, where = _manifest()
     if manifest is None:
         raise ValueError(f"no CuTe cubins/manifest found ({where})")
-    entry = cute_manifest.find(manifest, key)
+    min_ctas = cute_manifest.min_ctas_for(T)
+    entry = cute_manifest.find(manifest, key, min_ctas)
     if entry is None:
-        raise ValueError(f"no CuTe cubin for key {cute_manifest.describe(key)} in {where}; "
-                         f"build it with `{_key_build_command(key)}`")
+        raise ValueError(f"no CuTe cubin for key {cute_manifest.describe(key)} with min_ctas={min_ctas} (T={T}) "
+                         f"in {where}; build it with `{_key_build_command(key, min_ctas)}`")
     want = TWOSHOT_PARAMS if key["twoshot"] else ONESHOT_PARAMS
     params, cluster = entry.get("params", ()), list(entry.get("cluster", ()))
     if len(params) != want or cluster != [7, 1, 1] or int(manifest["H"]) != HIDDEN:
         raise ValueError(f"cubin {entry['cubin']} ({cute_manifest.describe(key)}) does not follow cute/ABI.md: "
                          f"expected {want} params, cluster [7, 1, 1], H {HIDDEN}; got {len(params)} params, "
-                         f"cluster {cluster}, H {manifest['H']}; rebuild it with `{_key_build_command(key)}`")
+                         f"cluster {cluster}, H {manifest['H']}; rebuild it with `{_key_build_command(key, min_ctas)}`")
     return _Kernel(str(cute_manifest.cubin_path(manifest, entry)), entry["entry"], int(entry["dynamic_smem_bytes"]),
                    int(entry["block"][0]))
 
@@ -151,7 +153,7 @@ def unsupported_reason(dims: Dims, *, has_delta: bool = True, groups: int = 4, x
     key = kernel_key(dims.R, dims.NB, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas,
                      twoshot=twoshot)
     try:
-        _kernel(key)
+        _kernel(key, dims.T)
     except ValueError as err:
         return str(err)
     return None
@@ -184,7 +186,7 @@ def consumer(
     if reason:
         raise ValueError(f"backend 'cute' cannot run this call: {reason}")
     kernel = _kernel(kernel_key(dims.R, dims.NB, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas,
-                                twoshot=False))
+                                twoshot=False), dims.T)
     ffi.register_targets()
     T, H = prefix.shape
     out_types = [jax.ShapeDtypeStruct((T, H), jnp.bfloat16), jax.ShapeDtypeStruct((T, H), jnp.bfloat16),
@@ -273,7 +275,7 @@ def consume(
     if reason:
         raise ValueError(f"backend 'cute' cannot run this call: {reason}")
     kernel = _kernel(kernel_key(dims.R, dims.NB, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas,
-                                twoshot=False))
+                                twoshot=False), dims.T)
     hints, status = _flags(hints, status)
     if not published:
         mailbox = without_negative_zero(mailbox)
@@ -331,7 +333,7 @@ def consume_twoshot(
                                 xmoe_replicas=xmoe_replicas, twoshot=True)
     if reason:
         raise ValueError(f"backend 'cute' cannot run this call: {reason}")
-    kernel = _kernel(key)
+    kernel = _kernel(key, dims.T)
     hints, status = _flags(hints, status)
     if not published:
         recv, gather = without_negative_zero(recv), without_negative_zero(gather)

@@ -14,7 +14,9 @@ $OPROJ_JAX_CUBIN_DIR at it. oproj_jax.cute.manifest resolves the directory the s
 
 The default set: every key the GPU checks and benchmarks use (oproj_jax.configs.GPU_CHECKS,
 BENCH) plus the production family R=16 x NB 0..8 x has_delta both x groups 1..4 x xmoe 0/1
-(oneshot). About 160 variants, 1-3 s each; `--jobs` compiles in parallel processes.
+(oneshot), each built with every launch bound of manifest.MIN_CTAS (min_ctas: CTAs per SM the
+register allocation must allow; the backend picks by T). About 310 cubins, 1-3 s each;
+`--jobs` compiles in parallel processes.
 R stays static: the polling loop is unrolled over the slots a group owns, and a runtime R
 would cost registers and a dynamic loop on the critical path for no gain at the few R used.
 
@@ -48,6 +50,8 @@ def default_keys() -> list[dict]:
     keys = []
     for c in configs.GPU_CHECKS + configs.BENCH:
         keys.append(M.make_key(c.R, c.NB, c.has_delta, c.groups, c.xmoe_replicas, c.twoshot))
+        if c.twoshot:  # the registry consumes a twoshot config's gathered row: a one-slot mailbox
+            keys.append(M.make_key(1, c.NB, c.has_delta, c.groups, c.xmoe_replicas, False))
     for nb in range(9):
         for has_delta in (True, False):
             for groups in (1, 2, 3, 4):
@@ -60,11 +64,12 @@ def default_keys() -> list[dict]:
     return unique
 
 
-def cubin_name(key: dict) -> str:
+def cubin_name(key: dict, min_ctas: int = 0) -> str:
     k = M.normalize_key(key)
     delta = "d" if k["has_delta"] else "nd"
     shot = "_twoshot" if k["twoshot"] else ""
-    return f"oproj_R{k['R']}_NB{k['NB']}_{delta}_G{k['groups']}_x{k['xmoe_replicas']}{shot}.cubin"
+    bound = f"_m{min_ctas}" if min_ctas else ""
+    return f"oproj_R{k['R']}_NB{k['NB']}_{delta}_G{k['groups']}_x{k['xmoe_replicas']}{shot}{bound}.cubin"
 
 
 def ptx_params(ptx: str) -> list[str]:
@@ -74,7 +79,7 @@ def ptx_params(ptx: str) -> list[str]:
     return re.findall(r"\.param\s+(\.\w+)", signature)
 
 
-def compile_variant(key: dict) -> dict:
+def compile_variant(key: dict, min_ctas: int = 0) -> dict:
     """Compile one variant; returns {"key", "entry", "dynamic_smem_bytes", ..., "cubin_bytes"}."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32, Uint32
@@ -84,7 +89,7 @@ def compile_variant(key: dict) -> dict:
 
     k = M.normalize_key(key)
     kernel = OprojConsumer(k["R"], k["NB"], has_delta=k["has_delta"], groups=k["groups"],
-                           xmoe_replicas=k["xmoe_replicas"], twoshot=k["twoshot"])
+                           xmoe_replicas=k["xmoe_replicas"], twoshot=k["twoshot"], min_ctas=min_ctas)
 
     def ptr(dtype, align):  # a fake device address: only the type reaches the kernel
         return make_ptr(dtype, 16, cute.AddressSpace.gmem, assumed_align=align)
@@ -107,16 +112,16 @@ def compile_variant(key: dict) -> dict:
     expected = ABI_TWOSHOT if k["twoshot"] else ABI_ONESHOT
     if params != expected:
         raise RuntimeError(f"{M.describe(k)}: PTX params {params} differ from the ABI {expected}")
-    return dict(key=k, entry=entry, dynamic_smem_bytes=kernel.smem_bytes,
+    return dict(key=k, min_ctas=min_ctas, entry=entry, dynamic_smem_bytes=kernel.smem_bytes,
                 block=[kernel.threads, 1, 1], cluster=[7, 1, 1], params=params,
                 cubin_bytes=cubin)
 
 
 def _compile_to(args) -> dict:
-    key, out_dir = args
+    key, min_ctas, out_dir = args
     t0 = time.time()
-    result = compile_variant(key)
-    name = cubin_name(key)
+    result = compile_variant(key, min_ctas)
+    name = cubin_name(key, min_ctas)
     (Path(out_dir) / name).write_bytes(result.pop("cubin_bytes"))
     result["cubin"] = name
     result["build_s"] = round(time.time() - t0, 2)
@@ -132,9 +137,11 @@ def _dsl_version() -> str:
         return "unknown"
 
 
-def build_cubins(out_dir=None, keys=None, jobs: int | None = None, log=None) -> dict:
-    """Build `keys` (default: default_keys()) into `out_dir` (default: manifest.default_dir());
-    writes the cubins and manifest.json; returns the manifest."""
+def build_cubins(out_dir=None, keys=None, jobs: int | None = None, log=None,
+                 min_ctas=M.MIN_CTAS) -> dict:
+    """Build `keys` (default: default_keys()), each with every launch bound in `min_ctas`, into
+    `out_dir` (default: manifest.default_dir()); writes the cubins and manifest.json; returns
+    the manifest."""
     from oproj_jax.configs import HIDDEN
 
     out = Path(out_dir) if out_dir is not None else M.default_dir()
@@ -142,7 +149,7 @@ def build_cubins(out_dir=None, keys=None, jobs: int | None = None, log=None) -> 
     keys = [M.normalize_key(k) for k in (keys if keys is not None else default_keys())]
     jobs = jobs or min(len(keys), max(1, (os.cpu_count() or 1)))
     t0 = time.time()
-    work = [(k, str(out)) for k in keys]
+    work = [(k, m, str(out)) for k in keys for m in min_ctas]
     if jobs > 1 and len(keys) > 1:
         # each worker imports the DSL once and compiles its share
         # forkserver: the caller may have JAX's threads running (forking those can deadlock)
@@ -155,8 +162,9 @@ def build_cubins(out_dir=None, keys=None, jobs: int | None = None, log=None) -> 
     if old_path.is_file():
         old = json.loads(old_path.read_text())
         if old.get("arch") == ARCH and old.get("H") == HIDDEN:
+            rebuilt = [(w[0], w[1]) for w in work]
             kept = [e for e in old.get("kernels", [])
-                    if e["key"] not in keys and (out / e["cubin"]).is_file()]
+                    if (e["key"], e.get("min_ctas", 0)) not in rebuilt and (out / e["cubin"]).is_file()]
     manifest = {"arch": ARCH, "cutlass_dsl": _dsl_version(), "H": HIDDEN,
                 "kernels": kept + built}
     (out / M.MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -164,6 +172,16 @@ def build_cubins(out_dir=None, keys=None, jobs: int | None = None, log=None) -> 
         log(f"built {len(built)} variants into {out} in {time.time() - t0:.1f} s "
             f"({len(kept)} kept from the old manifest)")
     return manifest
+
+
+def _parse_ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--min-ctas: expected comma-separated integers, got {text!r}") from None
+    if not all(0 <= v <= 4 for v in values):
+        raise argparse.ArgumentTypeError(f"--min-ctas: expected values in 0..4, got {text!r}")
+    return values
 
 
 def _parse_key(text: str) -> dict:
@@ -189,8 +207,12 @@ def main(argv=None) -> int:
     group.add_argument("--key", type=_parse_key, action="append",
                        help="R,NB,has_delta,groups,reps,twoshot (repeatable)")
     parser.add_argument("--jobs", type=int, default=None, help="parallel compile processes")
+    parser.add_argument("--min-ctas", type=_parse_ints, default=M.MIN_CTAS,
+                        help="launch bounds to build each key with: CTAs per SM the register "
+                             "allocation must allow, 0 = none (default: %(default)s, manifest.MIN_CTAS)")
     args = parser.parse_args(argv)
-    build_cubins(args.out, args.key, jobs=args.jobs, log=lambda s: print(s, file=sys.stderr))
+    build_cubins(args.out, args.key, jobs=args.jobs, log=lambda s: print(s, file=sys.stderr),
+                 min_ctas=args.min_ctas)
     return 0
 
 

@@ -77,11 +77,26 @@ def load_manifest(directory=None) -> dict:
     return manifest
 
 
-def find(manifest: dict, key) -> dict | None:
-    """The manifest entry for `key` (a dict of KEY_FIELDS), or None if that variant was not built."""
+# Every key is built twice, with these launch bounds (OprojConsumer.min_ctas): the unbounded
+# build (64 registers at R16/G4, no spills: the lowest latency, 2 CTAs per SM) serves small T;
+# the bound of 3 CTAs per SM (40 registers, a few spilled bytes) serves large T, where occupancy
+# is the bandwidth. H200, R16 NB8 G4: T=1 3.2 vs 3.6 us, T=64 10.7 vs 11.1, T=4096 483 vs 422
+# (benchmarks/results/2026-11-30-nvidia-h200-run4-sweep.json).
+MIN_CTAS = (0, 3)
+LARGE_T = 64  # T above this uses the min_ctas=3 build
+
+
+def min_ctas_for(T: int) -> int:
+    """The launch-bound build that serves a call with T tokens."""
+    return MIN_CTAS[1] if T > LARGE_T else MIN_CTAS[0]
+
+
+def find(manifest: dict, key, min_ctas: int = 0) -> dict | None:
+    """The manifest entry for `key` (a dict of KEY_FIELDS) built with launch bound `min_ctas`,
+    or None if that variant was not built."""
     wanted = normalize_key(key)
     for entry in manifest["kernels"]:
-        if entry["key"] == wanted:
+        if entry["key"] == wanted and entry.get("min_ctas", 0) == min_ctas:
             return entry
     return None
 
