@@ -150,10 +150,11 @@ def test_lowers_for_cuda_with_the_named_kernel_and_aliased_prefix(split):
 
 
 def test_default_choice_lowers_for_cuda():
-    # Off the interpreter the tuned choice uses the cluster up to SPLIT_MAX_T tokens, else one CTA per token.
-    small = 1 if pallas_consumer.SPLIT_MAX_T < 1 else pallas_consumer.SPLIT
-    assert pallas_consumer.choose_split(1, 7168, interpret=False)["split"] == small
-    assert pallas_consumer.choose_split(4096, 7168, interpret=False)["split"] == 1
+    # Off the interpreter the measured choice: the 7-CTA cluster up to T=32, then one CTA per token
+    # with a 4-slot ring up to T=64 and a 2-slot ring above; the interpreter has no cluster memory.
+    choice = {T: pallas_consumer.choose_split(T, 7168, interpret=False) for T in (1, 32, 33, 64, 65, 4096)}
+    assert choice == {1: dict(ring=4, split=7), 32: dict(ring=4, split=7), 33: dict(ring=4, split=1),
+                      64: dict(ring=4, split=1), 65: dict(ring=2, split=1), 4096: dict(ring=2, split=1)}
     assert pallas_consumer.choose_split(1, 7168, interpret=True)["split"] == 1
     config = configs.Config(16, 1, 8)
 

@@ -11,8 +11,9 @@ With split > 1 a cluster of `split` CTAs shares a token (each owns H/split colum
 of its slice stay resident in shared memory, and the row reductions (s.w and s.s of the NB + 1
 sources, then y.y) are combined across the cluster in two exchange rounds through distributed
 shared memory, behind `barrier.cluster` (release/acquire). Every CTA adds the partial sums in
-CTA order, so all CTAs of a token use identical scalars. Interpret mode has no cluster memory,
-so the CPU runs split=1; the cluster path is checked by benchmarks/pallas_smoke.py on the GPU.
+CTA order, so all CTAs of a token use identical scalars. choose_split picks the split by T.
+Interpret mode has no cluster memory, so the CPU runs split=1; the cluster path is checked on
+the GPU by benchmarks/pallas_smoke.py and, for T <= SPLIT_MAX_T, by every registry check.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ KERNEL_NAME = "oproj_consumer_pallas"  # the name the lowered module carries (te
 LANES = 256  # TMA boxes take at most 256 elements per dimension: a row is [H / 256, 256]
 RING = 4  # split == 1: shared-memory slots in flight per CTA (each one row of H bf16)
 SPLIT = 7  # CTAs (one cluster) per token at small T: 7168 = 7 x 4 x 256
-SPLIT_MAX_T = 0  # up to this many tokens; 0 = off: the cluster path is not yet verified on the GPU
+SPLIT_MAX_T = 32  # up to this many tokens (measured: below, the cluster split is 1.6-1.8x faster)
+RING_MAX_T = 64  # split == 1: ring=RING up to this many tokens, 2 above (two CTAs fit an SM)
 EXCHANGE = 128  # f32 slots per cluster exchange round (>= 2 * (NB + 1); one per thread)
 
 f32, bf16 = jnp.float32, jnp.bfloat16
@@ -212,16 +214,20 @@ def _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, reps, ring, split):
 
 
 def choose_split(T: int, H: int, interpret: bool) -> dict:
-    """The work split per token, chosen by measurement on the H200 (benchmarks/pallas_smoke.py).
+    """The work split per token, chosen by measurement on the H200 (benchmarks/pallas_smoke.py
+    --profile, kernel time per call; benchmarks/results/logs/2026-11-30-run4-pallas_split.txt):
 
-    One CTA per token (split=1), measured: ring=4 is best at T=1 (17 us vs 23 with ring=2);
-    ring=2 at T >= 64 (two CTAs fit an SM: 21/75/437 us at T=64/512/4096 vs 31/85/450).
-    The cluster split (SPLIT CTAs per token) is used up to SPLIT_MAX_T tokens once it has been
-    verified on the GPU; interpret mode has no cluster shared memory: one CTA per token there.
+      T        1     8     16    32    64    512
+      split=7  6.1   6.6   7.3   8.8   17.0  88.8   (cluster of 7 CTAs, all rows resident)
+      ring=4   11.2  12.2  13.0  13.7  14.9  63.0   (one CTA per token)
+      ring=2   11.4  14.4  15.4  16.0  16.9  56.9   (one CTA per token, two CTAs per SM)
+
+    and ring=2 at T=4096: 392 us. Interpret mode has no cluster shared memory: one CTA per
+    token there.
     """
     if T <= SPLIT_MAX_T and (H // LANES) % SPLIT == 0 and not interpret:
         return dict(ring=RING, split=SPLIT)
-    return dict(ring=RING if T < 64 else 2, split=1)
+    return dict(ring=RING if T <= RING_MAX_T else 2, split=1)
 
 
 def consumer(
