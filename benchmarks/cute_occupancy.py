@@ -1,10 +1,11 @@
-"""How many clusters of the CuTe consumer the GPU keeps resident at once (cuda-python, no JAX).
+"""How many clusters of the CuTe consumer the GPU keeps resident at once (cuda-python).
 
-  python3 benchmarks/cute_occupancy.py [CUBIN_DIR ...] [--key 16,8,1,4,0,0]
+  python3 benchmarks/cute_occupancy.py [CUBIN_DIR ...] [--key 16,8,1,4,0,0] [--min-ctas 0,3]
 
 For the chosen variant in each cubin directory (default: $OPROJ_JAX_CUBIN_DIR or the package's
-cubins/): registers per thread, dynamic shared memory, CTAs per SM and active clusters of 7,
-as the driver computes them for the launch the FFI handler makes. A token is one cluster, so
+cubins/), one line per launch-bound build: registers per thread, dynamic shared memory, CTAs
+per SM and active clusters of 7, as the driver computes them for the launch the FFI handler
+makes (the cubin loaded by cute/driver_launch.py). A token is one cluster, so
 `active clusters` is the number of tokens in flight; the rest wait for a free slot.
 """
 
@@ -20,30 +21,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root
 from cuda.bindings import driver as cu  # noqa: E402
 
 from oproj_jax.cute import manifest as M  # noqa: E402
+from oproj_jax.cute.backend import _Kernel  # noqa: E402
+from oproj_jax.cute.driver_launch import DriverLaunch, check  # noqa: E402
 
 
-def check(result):
-    err, *values = result
-    if err != cu.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"CUDA error {err}")
-    return values[0] if len(values) == 1 else values
-
-
-def occupancy(directory, key: dict) -> dict:
+def occupancy(directory, key: dict, min_ctas: int) -> dict:
     built = M.load_manifest(directory)
-    entry = M.find(built, key)
+    entry = M.find(built, key, min_ctas)
     if entry is None:
-        raise SystemExit(f"{directory}: no variant {M.describe(key)}")
-    module = check(cu.cuModuleLoadData(M.cubin_path(built, entry).read_bytes()))
-    fn = check(cu.cuModuleGetFunction(module, entry["entry"].encode()))
-    smem = entry["dynamic_smem_bytes"]
+        raise SystemExit(f"{directory}: no build of {M.describe(key)} with min_ctas={min_ctas}")
+    threads, smem = entry["block"][0], entry["dynamic_smem_bytes"]
+    kernel = DriverLaunch(_Kernel(str(M.cubin_path(built, entry)), entry["entry"], smem, threads))
     attr = cu.CUfunction_attribute
-    check(cu.cuFuncSetAttribute(fn, attr.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem))
-    check(cu.cuFuncSetAttribute(fn, attr.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1))
-    regs = check(cu.cuFuncGetAttribute(attr.CU_FUNC_ATTRIBUTE_NUM_REGS, fn))
-    local = check(cu.cuFuncGetAttribute(attr.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, fn))
-    threads = entry["block"][0]
-    per_sm = check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, threads, smem))
+    regs = check(cu.cuFuncGetAttribute(attr.CU_FUNC_ATTRIBUTE_NUM_REGS, kernel.fn), "cuFuncGetAttribute")
+    local = check(cu.cuFuncGetAttribute(attr.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, kernel.fn), "cuFuncGetAttribute")
+    per_sm = check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(kernel.fn, threads, smem),
+                   "cuOccupancyMaxActiveBlocksPerMultiprocessor")
     config = cu.CUlaunchConfig()
     config.gridDimX, config.gridDimY, config.gridDimZ = 7, 4096, 1
     config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
@@ -53,26 +46,27 @@ def occupancy(directory, key: dict) -> dict:
     cluster.value.clusterDim.x, cluster.value.clusterDim.y, cluster.value.clusterDim.z = 7, 1, 1
     config.attrs = [cluster]
     config.numAttrs = 1
-    clusters = check(cu.cuOccupancyMaxActiveClusters(fn, config))
-    check(cu.cuModuleUnload(module))
-    return dict(dir=str(directory), min_ctas=built.get("min_ctas", 0), variant=M.describe(key),
-                regs=regs, local_bytes=local, threads=threads, dynamic_smem=smem,
-                ctas_per_sm=per_sm, active_clusters=clusters)
+    clusters = check(cu.cuOccupancyMaxActiveClusters(kernel.fn, config), "cuOccupancyMaxActiveClusters")
+    check(cu.cuModuleUnload(kernel.module), "cuModuleUnload")
+    return dict(dir=str(directory), min_ctas=min_ctas, variant=M.describe(key), regs=regs, local_bytes=local,
+                threads=threads, dynamic_smem=smem, ctas_per_sm=per_sm, active_clusters=clusters)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dirs", nargs="*")
     parser.add_argument("--key", default="16,8,1,4,0,0", help="R,NB,has_delta,groups,reps,twoshot")
+    parser.add_argument("--min-ctas", default=",".join(map(str, M.MIN_CTAS)),
+                        help="the launch-bound builds to report (default: %(default)s)")
     args = parser.parse_args()
     R, NB, delta, groups, reps, twoshot = (int(v) for v in args.key.split(","))
     key = M.make_key(R, NB, bool(delta), groups, reps, bool(twoshot))
-    check(cu.cuInit(0))
-    device = check(cu.cuDeviceGet(0))
-    context = check(cu.cuDevicePrimaryCtxRetain(device))
-    check(cu.cuCtxSetCurrent(context))
+    check(cu.cuInit(0), "cuInit")
+    context = check(cu.cuDevicePrimaryCtxRetain(check(cu.cuDeviceGet(0), "cuDeviceGet")), "cuDevicePrimaryCtxRetain")
+    check(cu.cuCtxSetCurrent(context), "cuCtxSetCurrent")
     for directory in args.dirs or [M.default_dir()]:
-        print(json.dumps(occupancy(directory, key)))
+        for min_ctas in (int(v) for v in args.min_ctas.split(",")):
+            print(json.dumps(occupancy(directory, key, min_ctas)))
     return 0
 
 

@@ -7,6 +7,7 @@ module; skipped with the reason where the CuTe DSL is not importable.
 from __future__ import annotations
 
 import json
+import struct
 
 import pytest
 
@@ -52,43 +53,39 @@ def _build_id(build):
     return f"{M.describe(key)} min_ctas={min_ctas}"
 
 
-def _elf_symbols(data: bytes) -> set[bytes]:
-    """Names in the ELF64 .symtab of a cubin (parsed here, independent of the builder)."""
-    import struct
-
+def _section_headers(data: bytes) -> list[tuple]:
+    """ELF64 section headers (name, type, flags, addr, offset, size, link, info, align, entsize)."""
     assert data[:4] == b"\x7fELF" and data[4] == 2  # 64-bit ELF
     shoff, = struct.unpack_from("<Q", data, 0x28)
     shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
-    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    return [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
+
+
+def _c_string(data: bytes, start: int) -> bytes:
+    return data[start: data.index(b"\0", start)]
+
+
+def _elf_symbols(data: bytes) -> set[bytes]:
+    """Names in the ELF64 .symtab of a cubin (parsed here, independent of the builder)."""
+    sections = _section_headers(data)
     names = set()
     for sh in sections:
         if sh[1] == 2:  # SHT_SYMTAB
             strtab = sections[sh[6]]
             for off in range(sh[4], sh[4] + sh[5], sh[9]):
-                name_off = struct.unpack_from("<I", data, off)[0]
-                start = strtab[4] + name_off
-                names.add(data[start: data.index(b"\0", start)])
+                names.add(_c_string(data, strtab[4] + struct.unpack_from("<I", data, off)[0]))
     return names
 
 
 def _elf_sections(data: bytes) -> dict[str, bytes]:
-    import struct
-
-    shoff, = struct.unpack_from("<Q", data, 0x28)
-    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
-    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
-    names = sections[shstrndx]
-    out = {}
-    for sh in sections:
-        start = names[4] + sh[0]
-        out[data[start: data.index(b"\0", start)].decode()] = data[sh[4]: sh[4] + sh[5]]
-    return out
+    """Section name -> contents."""
+    sections = _section_headers(data)
+    names = sections[struct.unpack_from("<H", data, 0x3E)[0]]  # e_shstrndx
+    return {_c_string(data, names[4] + sh[0]).decode(): data[sh[4]: sh[4] + sh[5]] for sh in sections}
 
 
 def _register_count(data: bytes) -> int:
     """EIATTR_REGCOUNT (0x2f) from the cubin's .nv.info: what ptxas allocated per thread."""
-    import struct
-
     info = _elf_sections(data)[".nv.info"]
     i = 0
     while i < len(info):

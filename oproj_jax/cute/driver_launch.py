@@ -39,7 +39,7 @@ class DriverLaunch:
               "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")
         check(cu.cuFuncSetAttribute(self.fn, attr.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1),
               "cuFuncSetAttribute(NON_PORTABLE_CLUSTER_SIZE_ALLOWED)")
-        self._keep = []
+        self._keep = ()  # the last launch's parameter values
 
     def __call__(self, stream: int, T: int, pointers, eps: float, out_eps: float, spin_limit: int,
                  twoshot=None) -> None:
