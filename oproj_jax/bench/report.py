@@ -5,7 +5,7 @@ Record kinds (one list, written as JSON):
   copy    : {"kind": "copy", "us", "gbps", "bytes", "method", "device", "date", ...}
   timing  : {"kind": "timing", "backend", "T", "R", "NB", "groups", "has_delta", "us", "device",
              "date", "bytes", "gbps", "pct_roofline", "speedup_vs_reference", "method",
-             "us_profiler", ...}
+             "us_profiler", "us_kernels" (the profiler's time less memcpy events), ...}
   check   : {"kind": "check", "backend", "config", "prefix_mismatch", "out_rel_l2", "ok", ...}
   skipped : {"kind": "skipped", "backend", "reason", ...}
 """
@@ -47,7 +47,7 @@ def _fmt(value, spec: str, missing: str = "-") -> str:
 def timing_table(records: list[dict]) -> str:
     copy = next((r for r in records if r.get("kind") == "copy"), None)
     rows = sorted((r for r in records if r.get("kind") == "timing"), key=lambda r: (r["T"], r["backend"]))
-    head = ("backend", "T", "us/call", "us(prof)", "us(1call)", "GB/s", "% copy", "x ref")
+    head = ("backend", "T", "us/call", "us(prof)", "us(kern)", "us(1call)", "GB/s", "% copy", "x ref")
     lines = []
     if copy:
         lines.append(f"copy bandwidth (roofline): {copy['gbps']:.0f} GB/s")
@@ -61,6 +61,7 @@ def timing_table(records: list[dict]) -> str:
             str(r["T"]),
             _fmt(r["us"], ".1f"),
             _fmt(r.get("us_profiler"), ".1f"),
+            _fmt(r.get("us_kernels"), ".1f"),
             _fmt(r.get("us_profiler_single"), ".1f"),
             _fmt(r.get("gbps"), ".0f"),
             _fmt(r.get("pct_roofline"), ".1f"),

@@ -61,9 +61,10 @@ def _cubin_build() -> dict | None:
         built = manifest.load_manifest()
     except (OSError, ValueError):
         return None
-    bounds = sorted({entry.get("min_ctas", 0) for entry in built.get("kernels", [])})
-    return dict(dir=str(manifest.default_dir()), cutlass_dsl=built.get("cutlass_dsl"), min_ctas=bounds,
-                large_t=manifest.LARGE_T, kernels=len(built.get("kernels", [])))
+    builds = sorted({manifest.entry_build(entry).tag for entry in built.get("kernels", [])})
+    return dict(dir=str(manifest.default_dir()), cutlass_dsl=built.get("cutlass_dsl"), builds=builds,
+                ready_build=manifest.build_for(1, True).tag, large_t=manifest.LARGE_T,
+                kernels=len(built.get("kernels", [])))
 
 
 def header(seed: int, status: dict[str, str | None], **extra) -> dict:
@@ -162,6 +163,7 @@ def _timing_record(name: str, config: configs.Config, t) -> dict:
         has_delta=config.has_delta, config=config.name, us=t.us, device=device_name(), date=today(),
         bytes=configs.min_bytes(config), method=t.method, k1=t.k1, k2=t.k2, reps=t.reps, n_sets=t.n_sets,
         t_k1_us=t.t_k1_us, t_k2_us=t.t_k2_us, noise_us=t.noise_us, us_profiler=t.us_profiler,
+        us_kernels=getattr(t, "us_profiler_kernels", None),
         profiler_note=t.profiler_note, us_profiler_single=t.us_profiler_single,
         profiler_single_note=t.profiler_single_note,
     )
@@ -169,7 +171,9 @@ def _timing_record(name: str, config: configs.Config, t) -> dict:
 
 def _log_timing(name: str, config: configs.Config, t) -> None:
     log(f"time T={config.T:5d} {name:10s} {t.us:9.1f} us/call"
-        + (f"  (profiler {t.us_profiler:.1f})" if t.us_profiler is not None else "")
+        + (f"  (profiler {t.us_profiler:.1f}" if t.us_profiler is not None else "")
+        + (f", kernels {t.us_profiler_kernels:.1f})" if getattr(t, "us_profiler_kernels", None) is not None
+           else ")" if t.us_profiler is not None else "")
         + (f"  (1-call jit profiler {t.us_profiler_single:.1f})" if t.us_profiler_single is not None else "")
         + f"  [t(K1)={t.t_k1_us:.0f} t(K2)={t.t_k2_us:.0f} us, noise ~{t.noise_us:.1f} us/call]"
         + ("  WARNING: not above the noise, raise --reps" if t.us <= 2 * t.noise_us else ""))

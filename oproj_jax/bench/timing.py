@@ -46,8 +46,11 @@ class Timing:
     t_k1_us: float  # median wall time of one K1 execution
     t_k2_us: float
     noise_us: float  # (MAD(t(K1)) + MAD(t(K2))) / (K2 - K1)
-    us_profiler: float | None = None  # kernel time per call from the profiler trace
+    us_profiler: float | None = None  # device time per call from the profiler trace (all events)
     profiler_note: str | None = None
+    # the same less the memcpy events: in a chain those are XLA's copy of the non-donated
+    # prefix argument (aliased by the kernel), once per execution before the first call
+    us_profiler_kernels: float | None = None
     us_profiler_single: float | None = None  # kernel time per call of the one-call executable
     profiler_single_note: str | None = None
     method_text: str | None = None  # set by timers that measure differently (torch: CUDA graphs)
@@ -137,8 +140,8 @@ def time_backend(backend: str, pool: bench_inputs.DevicePool, config: configs.Co
     us, m1, m2, noise = slope(fn1, fn2, pool.args, k1, k2, reps)
     timing = Timing(us, k1, k2, reps, pool.n_sets, m1, m2, noise)
     if profile:
-        timing.us_profiler, timing.profiler_note = profiled_us_per_call(fn2, pool.args, k2)
-        timing.us_profiler_single, timing.profiler_single_note = profiled_single_us(step, pool)
+        timing.us_profiler, timing.profiler_note, timing.us_profiler_kernels = profiled_us_per_call(fn2, pool.args, k2)
+        timing.us_profiler_single, timing.profiler_single_note, _ = profiled_single_us(step, pool)
     return timing
 
 
@@ -165,12 +168,13 @@ def _device_event_summary(xplane_path: str) -> tuple[dict[str, tuple[int, float]
     return summary, kernels
 
 
-def profiled_us(run, calls_per_run: int, runs: int = 3) -> tuple[float | None, str]:
-    """Summed kernel time per call from a jax.profiler trace of `runs` calls of run(i) (each
+def profiled_us(run, calls_per_run: int, runs: int = 3) -> tuple[float | None, str, float | None]:
+    """Summed device time per call from a jax.profiler trace of `runs` calls of run(i) (each
     doing `calls_per_run` consumer calls; run(0) runs untraced first), read from the GPU
-    'Stream' lines of the xplane; and a note naming the lines used."""
+    'Stream' lines of the xplane; a note naming the lines used; and the time per call of the
+    events other than memcpys (the kernels)."""
     if jax.default_backend() != "gpu":
-        return None, "profiler cross-check runs on the GPU only"
+        return None, "profiler cross-check runs on the GPU only", None
     try:
         jax.block_until_ready(run(0))
         with tempfile.TemporaryDirectory() as tmp:
@@ -179,13 +183,13 @@ def profiled_us(run, calls_per_run: int, runs: int = 3) -> tuple[float | None, s
                     jax.block_until_ready(run(i + 1))
             paths = glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)
             if not paths:
-                return None, "no xplane.pb written"
+                return None, "no xplane.pb written", None
             summary, kernels = _device_event_summary(paths[0])
     except Exception as err:  # the cross-check must not abort a benchmark run
-        return None, f"profiler failed: {type(err).__name__}: {err}"
+        return None, f"profiler failed: {type(err).__name__}: {err}", None
     streams = {key: v for key, v in summary.items() if key.split("|", 1)[1].startswith("Stream")}
     if not streams:
-        return None, f"no GPU stream lines in the trace (lines: {sorted(summary)})"
+        return None, f"no GPU stream lines in the trace (lines: {sorted(summary)})", None
     total = sum(v[1] for v in streams.values())
     events = sum(v[0] for v in streams.values())
     note = f"{events} device events on {len(streams)} stream line(s): " + ", ".join(
@@ -194,15 +198,16 @@ def profiled_us(run, calls_per_run: int, runs: int = 3) -> tuple[float | None, s
     calls = runs * calls_per_run
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:4]
     note += "; per call: " + ", ".join(f"{name[:60]} {us / calls:.2f} us" for name, us in top)
-    return total / calls, note
+    copies = sum(us for name, us in kernels.items() if name.lower().startswith("memcpy"))
+    return total / calls, note, (total - copies) / calls
 
 
-def profiled_us_per_call(fn, args_of, k: int, executions: int = 3) -> tuple[float | None, str]:
+def profiled_us_per_call(fn, args_of, k: int, executions: int = 3) -> tuple[float | None, str, float | None]:
     """Kernel time per call of a k-call chain executable."""
     return profiled_us(lambda i: fn(*args_of(i)), k, executions)
 
 
-def profiled_single_us(step, pool: bench_inputs.DevicePool, calls: int = 8) -> tuple[float | None, str]:
+def profiled_single_us(step, pool: bench_inputs.DevicePool, calls: int = 8) -> tuple[float | None, str, float | None]:
     """Kernel time per call of the one-call executable (`step` jitted alone), `calls` calls per
     run on distinct input sets, outputs kept until the run ends: shows whether compiling the
     call inside a chain changed XLA's choices."""
@@ -283,7 +288,7 @@ def copy_bandwidth(platform: str, reps: int, profile: bool, kinds=("d2d", "xor")
         us, _, _, noise = slope(fn1, fn2, args_of, k1, k2, reps)
         result = CopyBandwidth(kind, 2 * size, us, k1, k2, reps, noise)
         if profile:
-            result.us_profiler, result.profiler_note = profiled_us_per_call(fn2, args_of, k2)
+            result.us_profiler, result.profiler_note, _ = profiled_us_per_call(fn2, args_of, k2)
         results.append(result)
     del lists
     return results
