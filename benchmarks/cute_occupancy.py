@@ -1,9 +1,9 @@
 """How many clusters of the CuTe consumer the GPU keeps resident at once (cuda-python).
 
-  python3 benchmarks/cute_occupancy.py [CUBIN_DIR ...] [--key 16,8,1,4,0,0] [--min-ctas 0,3]
+  python3 benchmarks/cute_occupancy.py [CUBIN_DIR ...] [--key 16,8,1,4,0,0] [--builds m0,m3,f0]
 
 For the chosen variant in each cubin directory (default: $OPROJ_JAX_CUBIN_DIR or the package's
-cubins/), one line per launch-bound build: registers per thread, dynamic shared memory, CTAs
+cubins/), one line per build (thread layout and launch bound): registers per thread, dynamic shared memory, CTAs
 per SM and active clusters of 7, as the driver computes them for the launch the FFI handler
 makes (the cubin loaded by cute/driver_launch.py). A token is one cluster, so
 `active clusters` is the number of tokens in flight; the rest wait for a free slot.
@@ -25,11 +25,11 @@ from oproj_jax.cute.backend import _Kernel  # noqa: E402
 from oproj_jax.cute.driver_launch import DriverLaunch, check  # noqa: E402
 
 
-def occupancy(directory, key: dict, min_ctas: int) -> dict:
+def occupancy(directory, key: dict, build: M.Build) -> dict:
     built = M.load_manifest(directory)
-    entry = M.find(built, key, min_ctas)
+    entry = M.find(built, key, build)
     if entry is None:
-        raise SystemExit(f"{directory}: no build of {M.describe(key)} with min_ctas={min_ctas}")
+        raise SystemExit(f"{directory}: no build {build.tag} of {M.describe(key)}")
     threads, smem = entry["block"][0], entry["dynamic_smem_bytes"]
     kernel = DriverLaunch(_Kernel(str(M.cubin_path(built, entry)), entry["entry"], smem, threads))
     attr = cu.CUfunction_attribute
@@ -48,7 +48,7 @@ def occupancy(directory, key: dict, min_ctas: int) -> dict:
     config.numAttrs = 1
     clusters = check(cu.cuOccupancyMaxActiveClusters(kernel.fn, config), "cuOccupancyMaxActiveClusters")
     check(cu.cuModuleUnload(kernel.module), "cuModuleUnload")
-    return dict(dir=str(directory), min_ctas=min_ctas, variant=M.describe(key), regs=regs, local_bytes=local,
+    return dict(dir=str(directory), build=build.tag, variant=M.describe(key), regs=regs, local_bytes=local,
                 threads=threads, dynamic_smem=smem, ctas_per_sm=per_sm, active_clusters=clusters)
 
 
@@ -56,8 +56,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dirs", nargs="*")
     parser.add_argument("--key", default="16,8,1,4,0,0", help="R,NB,has_delta,groups,reps,twoshot")
-    parser.add_argument("--min-ctas", default=",".join(map(str, M.MIN_CTAS)),
-                        help="the launch-bound builds to report (default: %(default)s)")
+    parser.add_argument("--builds", default=",".join(b.tag for b in M.BUILDS),
+                        help="the builds to report (default: %(default)s)")
     args = parser.parse_args()
     R, NB, delta, groups, reps, twoshot = (int(v) for v in args.key.split(","))
     key = M.make_key(R, NB, bool(delta), groups, reps, bool(twoshot))
@@ -65,8 +65,8 @@ def main() -> int:
     context = check(cu.cuDevicePrimaryCtxRetain(check(cu.cuDeviceGet(0), "cuDeviceGet")), "cuDevicePrimaryCtxRetain")
     check(cu.cuCtxSetCurrent(context), "cuCtxSetCurrent")
     for directory in args.dirs or [M.default_dir()]:
-        for min_ctas in (int(v) for v in args.min_ctas.split(",")):
-            print(json.dumps(occupancy(directory, key, min_ctas)))
+        for build in (M.parse_build(v) for v in args.builds.split(",")):
+            print(json.dumps(occupancy(directory, key, build)))
     return 0
 
 

@@ -41,16 +41,16 @@ def built(tmp_path_factory):
     from oproj_jax.cute import build
 
     out = tmp_path_factory.mktemp("cubins")
-    build.build_cubins(out, KEYS, jobs=2)  # each key with every launch bound of M.MIN_CTAS
+    build.build_cubins(out, KEYS, jobs=2)  # each key as every build of M.BUILDS
     return out, M.load_manifest(out)
 
 
-BUILDS = [(key, m) for key in KEYS for m in M.MIN_CTAS]
+BUILDS = [(key, b) for key in KEYS for b in M.BUILDS]
 
 
 def _build_id(build):
-    key, min_ctas = build
-    return f"{M.describe(key)} min_ctas={min_ctas}"
+    key, how = build
+    return f"{M.describe(key)} {how.tag}"
 
 
 def _section_headers(data: bytes) -> list[tuple]:
@@ -102,8 +102,8 @@ def _register_count(data: bytes) -> int:
 def test_manifest_lists_every_build_once(built):
     out, manifest = built
     assert manifest["arch"] == "sm_90a" and manifest["H"] == 7168
-    assert sorted(json.dumps([e["key"], e["min_ctas"]], sort_keys=True) for e in manifest["kernels"]) == sorted(
-        json.dumps([k, m], sort_keys=True) for k, m in BUILDS)
+    assert sorted(json.dumps([e["key"], e["min_ctas"], e["fold"]], sort_keys=True) for e in manifest["kernels"]) == sorted(
+        json.dumps([k, b.min_ctas, b.fold], sort_keys=True) for k, b in BUILDS)
     assert len({e["cubin"] for e in manifest["kernels"]}) == len(BUILDS)
 
 
@@ -119,29 +119,41 @@ def test_cubin_is_elf_with_the_manifest_entry(built, build):
 
 @pytest.mark.parametrize("build", BUILDS, ids=_build_id)
 def test_launch_bound_reaches_the_register_allocation(built, build):
-    key, min_ctas = build
+    key, how = build
     _, manifest = built
-    entry = M.find(manifest, key, min_ctas)
+    entry = M.find(manifest, key, how)
     regs = _register_count(M.cubin_path(manifest, entry).read_bytes())
     threads = entry["block"][0]
-    if min_ctas:  # 64K registers per SM shared by min_ctas CTAs
-        assert regs * threads * min_ctas <= 65536, regs
+    if how.min_ctas:  # 64K registers per SM shared by min_ctas CTAs
+        assert regs * threads * how.min_ctas <= 65536, regs
     else:
         assert regs <= 255
 
 
-def test_small_t_uses_the_unbounded_build_large_t_the_bounded_one():
-    assert M.min_ctas_for(1) == M.min_ctas_for(M.LARGE_T) == 0
-    assert M.min_ctas_for(M.LARGE_T + 1) == M.min_ctas_for(4096) == 3
+def test_build_choice_by_mode_and_t():
+    # ready mode (XLA-produced mailbox): the folded build at every T
+    assert {M.build_for(t, True) for t in (1, M.LARGE_T, M.LARGE_T + 1, 4096)} == {M.Build(0, fold=True)}
+    # protocol mode: the grouped build, unbounded up to LARGE_T, bounded above
+    assert M.build_for(1, False) == M.build_for(M.LARGE_T, False) == M.Build(0)
+    assert M.build_for(M.LARGE_T + 1, False) == M.build_for(4096, False) == M.Build(3)
+    assert set(M.BUILDS) >= {M.build_for(t, r) for t in (1, 4096) for r in (True, False)}
+
+
+def test_build_tags_round_trip():
+    for how in M.BUILDS + (M.Build(8, fold=True),):
+        assert M.parse_build(how.tag) == how
+    for bad in ("", "3", "x3", "m", "f-1", "m3f"):
+        with pytest.raises(ValueError, match="build"):
+            M.parse_build(bad)
 
 
 @pytest.mark.parametrize("build", BUILDS, ids=_build_id)
 def test_params_block_cluster_smem_follow_the_abi(built, build):
-    key, min_ctas = build
+    key, how = build
     _, manifest = built
-    entry = M.find(manifest, key, min_ctas)
+    entry = M.find(manifest, key, how)
     assert entry["params"] == (TWOSHOT_PARAMS if key["twoshot"] else ONESHOT_PARAMS)
-    assert entry["block"] == [128 * key["groups"], 1, 1]
+    assert entry["block"] == [128 if how.fold else 128 * key["groups"], 1, 1]
     assert entry["cluster"] == [7, 1, 1]
     # at least the prefetched rows (norm, query, out_norm, prefix, blocks: 2 KiB per CTA each)
     assert entry["dynamic_smem_bytes"] >= (4 + key["NB"]) * 2048

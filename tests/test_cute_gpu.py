@@ -445,7 +445,7 @@ def test_torch_launch_matches_jax_bits(cute, config):
         import cuda.bindings  # noqa: F401
     except ImportError as err:
         pytest.skip(f"cuda-python (cuda.bindings) is not installed: {err}")
-    launch = driver_launch.torch_launcher(backend._kernel(key, config.T))
+    launch = driver_launch.torch_launcher(backend._kernel(key, config.T, ready=False))
     T, H, reps = config.T, config.H, config.xmoe_replicas
     if config.twoshot:
         recv_np, slots_np = twoshot_operands(config, x, me)

@@ -39,6 +39,10 @@ def fake_cubins(tmp_path, monkeypatch, library):
         kernels.append(dict(key=key, cubin=f"variant{i}.cubin", entry=f"kernel_entry_{i}",
                             dynamic_smem_bytes=40000 + i, block=[128 * key["groups"], 1, 1], cluster=[7, 1, 1],
                             params=[".u64"] * (17 if key["twoshot"] else 14)))
+    # the folded build of the oneshot key (128 threads), which ready mode (the registry) takes
+    (tmp_path / "variant0f.cubin").write_bytes(b"not a cubin either")
+    kernels.append(dict(kernels[0], fold=True, cubin="variant0f.cubin", entry="kernel_entry_0f",
+                        dynamic_smem_bytes=30000, block=[128, 1, 1]))
     (tmp_path / "manifest.json").write_text(json.dumps(dict(arch="sm_90a", cutlass_dsl="4.8.1", H=H, kernels=kernels)))
     monkeypatch.setenv("OPROJ_JAX_CUBIN_DIR", str(tmp_path))
     monkeypatch.setenv("OPROJ_JAX_FFI_LIBRARY", str(library))
@@ -96,7 +100,8 @@ def test_registry_consumer_uses_the_ready_kernel(fake_cubins):
     fn = functools.partial(backend.consumer, eps=1e-6, out_eps=1e-6, has_delta=True, groups=2, xmoe_replicas=1)
     text = lower_for_cuda(fn, spec(2, 3, H), spec(3, H), spec(3, 1, H), spec(H), spec(H), spec(H))
     (call,) = custom_calls(text, ffi.READY_TARGET)
-    assert "spin_limit = -1 : i32" in call and 'entry = "kernel_entry_0"' in call
+    assert "spin_limit = -1 : i32" in call and 'entry = "kernel_entry_0f"' in call  # the folded build
+    assert "block = 128 : i64" in call and "smem = 30000 : i64" in call
     assert "custom_call @oproj_cute_consumer_ready(%arg0," in call  # the caller's mailbox itself
     assert "compare" not in text and "select" not in text
     aliases = set(re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", call))

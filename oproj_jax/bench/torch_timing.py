@@ -125,7 +125,7 @@ def time_cute_graph(case: bench_inputs.HostCase, k1: int, k2: int, reps: int, *,
     key = backend.kernel_key(config.R, config.NB, has_delta=config.has_delta, groups=config.groups,
                              xmoe_replicas=config.xmoe_replicas, twoshot=False)
     T, H, reps_x = config.T, config.H, config.xmoe_replicas
-    launch = driver_launch.torch_launcher(backend._kernel(key, T))
+    launch = driver_launch.torch_launcher(backend._kernel(key, T, ready=True))
     base, weights, lists = _device_lists(torch, case, k2, l2_bytes)
     flags = torch.zeros(2, dtype=torch.int32, device="cuda")  # [status, hints]
 

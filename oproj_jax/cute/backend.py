@@ -77,9 +77,9 @@ def kernel_key(R: int, NB: int, *, has_delta: bool, groups: int, xmoe_replicas: 
     return cute_manifest.make_key(R, NB, bool(has_delta), groups, xmoe_replicas, bool(twoshot))
 
 
-def _key_build_command(key: dict, min_ctas: int) -> str:
+def _key_build_command(key: dict, build: cute_manifest.Build) -> str:
     flags = ",".join(str(int(key[k])) for k in cute_manifest.KEY_FIELDS)
-    return f"python -m oproj_jax.cute.build --key {flags} --min-ctas {min_ctas}"
+    return f"python -m oproj_jax.cute.build --key {flags} --builds {build.tag}"
 
 
 @functools.lru_cache(maxsize=4)
@@ -110,23 +110,24 @@ class _Kernel(NamedTuple):
     block: int
 
 
-def _kernel(key: dict, T: int) -> _Kernel:
-    """The cubin for `key` and T tokens (manifest.min_ctas_for), or a ValueError naming the
-    key and the command that builds it."""
+def _kernel(key: dict, T: int, ready: bool) -> _Kernel:
+    """The cubin for `key`, T tokens and the mode (manifest.build_for), or a ValueError naming
+    the key and the command that builds it."""
     manifest, where = _manifest()
     if manifest is None:
         raise ValueError(f"no CuTe cubins/manifest found ({where})")
-    min_ctas = cute_manifest.min_ctas_for(T)
-    entry = cute_manifest.find(manifest, key, min_ctas)
+    build = cute_manifest.build_for(T, ready)
+    entry = cute_manifest.find(manifest, key, build)
     if entry is None:
-        raise ValueError(f"no CuTe cubin for key {cute_manifest.describe(key)} with min_ctas={min_ctas} (T={T}) "
-                         f"in {where}; build it with `{_key_build_command(key, min_ctas)}`")
+        mode = "ready" if ready else "protocol"
+        raise ValueError(f"no CuTe cubin for key {cute_manifest.describe(key)} built as {build.tag} ({mode} mode, "
+                         f"T={T}) in {where}; build it with `{_key_build_command(key, build)}`")
     want = TWOSHOT_PARAMS if key["twoshot"] else ONESHOT_PARAMS
     params, cluster = entry.get("params", ()), list(entry.get("cluster", ()))
     if len(params) != want or cluster != [7, 1, 1] or int(manifest["H"]) != HIDDEN:
         raise ValueError(f"cubin {entry['cubin']} ({cute_manifest.describe(key)}) does not follow cute/ABI.md: "
                          f"expected {want} params, cluster [7, 1, 1], H {HIDDEN}; got {len(params)} params, "
-                         f"cluster {cluster}, H {manifest['H']}; rebuild it with `{_key_build_command(key, min_ctas)}`")
+                         f"cluster {cluster}, H {manifest['H']}; rebuild it with `{_key_build_command(key, build)}`")
     return _Kernel(str(cute_manifest.cubin_path(manifest, entry)), entry["entry"], int(entry["dynamic_smem_bytes"]),
                    int(entry["block"][0]))
 
@@ -158,7 +159,9 @@ def unavailable_reason(platform: str) -> str | None:
 
 
 def unsupported_reason(dims: Dims, *, has_delta: bool = True, groups: int = 4, xmoe_replicas: int = 0,
-                       twoshot: bool = False, **_) -> str | None:
+                       twoshot: bool = False, ready: bool = True, **_) -> str | None:
+    """Why the cute backend cannot run this call, or None. ready: the registry's ready mode
+    (an XLA-produced mailbox); consume/consume_twoshot run the polling protocol."""
     if dims.H != HIDDEN:
         return f"the CuTe cubins are built for H = {HIDDEN} only, got H = {dims.H}"
     if dims.T > MAX_TOKENS:
@@ -166,7 +169,7 @@ def unsupported_reason(dims: Dims, *, has_delta: bool = True, groups: int = 4, x
     key = kernel_key(dims.R, dims.NB, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas,
                      twoshot=twoshot)
     try:
-        _kernel(key, dims.T)
+        _kernel(key, dims.T, ready)
     except ValueError as err:
         return str(err)
     return None
@@ -199,7 +202,7 @@ def consumer(
     if reason:
         raise ValueError(f"backend 'cute' cannot run this call: {reason}")
     kernel = _kernel(kernel_key(dims.R, dims.NB, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas,
-                                twoshot=False), dims.T)
+                                twoshot=False), dims.T, True)
     ffi.register_targets()
     T, H = prefix.shape
     out_types = [jax.ShapeDtypeStruct((T, H), jnp.bfloat16), jax.ShapeDtypeStruct((T, H), jnp.bfloat16),
@@ -284,11 +287,12 @@ def consume(
                            has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas)
     spin_limit = _check_spin_limit(spin_limit)
     _check_concrete_platform(mailbox, prefix, blocks)
-    reason = unsupported_reason(dims, has_delta=bool(has_delta), groups=groups, xmoe_replicas=xmoe_replicas)
+    reason = unsupported_reason(dims, has_delta=bool(has_delta), groups=groups, xmoe_replicas=xmoe_replicas,
+                                ready=False)
     if reason:
         raise ValueError(f"backend 'cute' cannot run this call: {reason}")
     kernel = _kernel(kernel_key(dims.R, dims.NB, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas,
-                                twoshot=False), dims.T)
+                                twoshot=False), dims.T, False)
     hints, status = _flags(hints, status)
     if not published:
         mailbox = without_negative_zero(mailbox)
@@ -343,10 +347,10 @@ def consume_twoshot(
     _check_concrete_platform(recv, gather, prefix)
     key = kernel_key(R, dims.NB, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas, twoshot=True)
     reason = unsupported_reason(Dims(R, dims.T, dims.NB, dims.H), has_delta=bool(has_delta), groups=groups,
-                                xmoe_replicas=xmoe_replicas, twoshot=True)
+                                xmoe_replicas=xmoe_replicas, twoshot=True, ready=False)
     if reason:
         raise ValueError(f"backend 'cute' cannot run this call: {reason}")
-    kernel = _kernel(key, dims.T)
+    kernel = _kernel(key, dims.T, False)
     hints, status = _flags(hints, status)
     if not published:
         recv, gather = without_negative_zero(recv), without_negative_zero(gather)

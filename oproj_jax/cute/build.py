@@ -14,8 +14,8 @@ $OPROJ_JAX_CUBIN_DIR at it. oproj_jax.cute.manifest resolves the directory the s
 
 The default set: every key the GPU checks and benchmarks use (oproj_jax.configs.GPU_CHECKS,
 BENCH) plus the production family R=16 x NB 0..8 x has_delta both x groups 1..4 x xmoe 0/1
-(oneshot), each built with every launch bound of manifest.MIN_CTAS (min_ctas: CTAs per SM the
-register allocation must allow; the backend picks by T). About 310 cubins, 1-3 s each;
+(oneshot), each compiled as every build of manifest.BUILDS (the thread layout and the launch
+bound; the backend picks by mode and T). About 470 cubins, 1-3 s each;
 `--jobs` compiles in parallel processes.
 R stays static: the polling loop is unrolled over the slots a group owns, and a runtime R
 would cost registers and a dynamic loop on the critical path for no gain at the few R used.
@@ -64,12 +64,15 @@ def default_keys() -> list[dict]:
     return unique
 
 
-def cubin_name(key: dict, min_ctas: int = 0) -> str:
+def cubin_name(key: dict, build: M.Build = M.GROUPED) -> str:
     k = M.normalize_key(key)
     delta = "d" if k["has_delta"] else "nd"
     shot = "_twoshot" if k["twoshot"] else ""
-    bound = f"_m{min_ctas}" if min_ctas else ""
-    return f"oproj_R{k['R']}_NB{k['NB']}_{delta}_G{k['groups']}_x{k['xmoe_replicas']}{shot}{bound}.cubin"
+    if build.fold:
+        suffix = f"_f{build.min_ctas}" if build.min_ctas else "_f"
+    else:
+        suffix = f"_m{build.min_ctas}" if build.min_ctas else ""
+    return f"oproj_R{k['R']}_NB{k['NB']}_{delta}_G{k['groups']}_x{k['xmoe_replicas']}{shot}{suffix}.cubin"
 
 
 def ptx_params(ptx: str) -> list[str]:
@@ -79,7 +82,7 @@ def ptx_params(ptx: str) -> list[str]:
     return re.findall(r"\.param\s+(\.\w+)", signature)
 
 
-def compile_variant(key: dict, min_ctas: int = 0) -> dict:
+def compile_variant(key: dict, build: M.Build = M.GROUPED) -> dict:
     """Compile one variant; returns {"key", "entry", "dynamic_smem_bytes", ..., "cubin_bytes"}."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32, Uint32
@@ -89,7 +92,8 @@ def compile_variant(key: dict, min_ctas: int = 0) -> dict:
 
     k = M.normalize_key(key)
     kernel = OprojConsumer(k["R"], k["NB"], has_delta=k["has_delta"], groups=k["groups"],
-                           xmoe_replicas=k["xmoe_replicas"], twoshot=k["twoshot"], min_ctas=min_ctas)
+                           xmoe_replicas=k["xmoe_replicas"], twoshot=k["twoshot"], min_ctas=build.min_ctas,
+                           fold=build.fold)
 
     def ptr(dtype, align):  # a fake device address: only the type reaches the kernel
         return make_ptr(dtype, 16, cute.AddressSpace.gmem, assumed_align=align)
@@ -112,16 +116,16 @@ def compile_variant(key: dict, min_ctas: int = 0) -> dict:
     expected = ABI_TWOSHOT if k["twoshot"] else ABI_ONESHOT
     if params != expected:
         raise RuntimeError(f"{M.describe(k)}: PTX params {params} differ from the ABI {expected}")
-    return dict(key=k, min_ctas=min_ctas, entry=entry, dynamic_smem_bytes=kernel.smem_bytes,
+    return dict(key=k, min_ctas=build.min_ctas, fold=build.fold, entry=entry, dynamic_smem_bytes=kernel.smem_bytes,
                 block=[kernel.threads, 1, 1], cluster=[7, 1, 1], params=params,
                 cubin_bytes=cubin)
 
 
 def _compile_to(args) -> dict:
-    key, min_ctas, out_dir = args
+    key, build, out_dir = args
     t0 = time.time()
-    result = compile_variant(key, min_ctas)
-    name = cubin_name(key, min_ctas)
+    result = compile_variant(key, build)
+    name = cubin_name(key, build)
     (Path(out_dir) / name).write_bytes(result.pop("cubin_bytes"))
     result["cubin"] = name
     result["build_s"] = round(time.time() - t0, 2)
@@ -138,8 +142,8 @@ def _dsl_version() -> str:
 
 
 def build_cubins(out_dir=None, keys=None, jobs: int | None = None, log=None,
-                 min_ctas=M.MIN_CTAS) -> dict:
-    """Build `keys` (default: default_keys()), each with every launch bound in `min_ctas`, into
+                 builds=M.BUILDS) -> dict:
+    """Build `keys` (default: default_keys()), each compiled as every one of `builds`, into
     `out_dir` (default: manifest.default_dir()); writes the cubins and manifest.json; returns
     the manifest."""
     from oproj_jax.configs import HIDDEN
@@ -149,7 +153,8 @@ def build_cubins(out_dir=None, keys=None, jobs: int | None = None, log=None,
     keys = [M.normalize_key(k) for k in (keys if keys is not None else default_keys())]
     jobs = jobs or min(len(keys), max(1, (os.cpu_count() or 1)))
     t0 = time.time()
-    work = [(k, m, str(out)) for k in keys for m in min_ctas]
+    builds = [M.Build(*b) for b in builds]
+    work = [(k, b, str(out)) for k in keys for b in builds]
     if jobs > 1 and len(keys) > 1:
         # each worker imports the DSL once and compiles its share
         # forkserver: the caller may have JAX's threads running (forking those can deadlock)
@@ -164,7 +169,7 @@ def build_cubins(out_dir=None, keys=None, jobs: int | None = None, log=None,
         if old.get("arch") == ARCH and old.get("H") == HIDDEN:
             rebuilt = [(w[0], w[1]) for w in work]
             kept = [e for e in old.get("kernels", [])
-                    if (e["key"], e.get("min_ctas", 0)) not in rebuilt and (out / e["cubin"]).is_file()]
+                    if (e["key"], M.entry_build(e)) not in rebuilt and (out / e["cubin"]).is_file()]
     manifest = {"arch": ARCH, "cutlass_dsl": _dsl_version(), "H": HIDDEN,
                 "kernels": kept + built}
     (out / M.MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -174,14 +179,11 @@ def build_cubins(out_dir=None, keys=None, jobs: int | None = None, log=None,
     return manifest
 
 
-def _parse_ints(text: str) -> tuple[int, ...]:
+def _parse_builds(text: str) -> tuple[M.Build, ...]:
     try:
-        values = tuple(int(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--min-ctas: expected comma-separated integers, got {text!r}") from None
-    if not all(0 <= v <= 4 for v in values):
-        raise argparse.ArgumentTypeError(f"--min-ctas: expected values in 0..4, got {text!r}")
-    return values
+        return tuple(M.parse_build(v) for v in text.split(","))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"--builds: {err}") from None
 
 
 def _parse_key(text: str) -> dict:
@@ -207,12 +209,14 @@ def main(argv=None) -> int:
     group.add_argument("--key", type=_parse_key, action="append",
                        help="R,NB,has_delta,groups,reps,twoshot (repeatable)")
     parser.add_argument("--jobs", type=int, default=None, help="parallel compile processes")
-    parser.add_argument("--min-ctas", type=_parse_ints, default=M.MIN_CTAS,
-                        help="launch bounds to build each key with: CTAs per SM the register "
-                             "allocation must allow, 0 = none (default: %(default)s, manifest.MIN_CTAS)")
+    parser.add_argument("--builds", type=_parse_builds, default=M.BUILDS,
+                        help="how to compile each key, comma-separated: m<N> the grouped layout "
+                             "(128 * groups threads), f<N> the folded one (128 threads), N the "
+                             "launch bound in CTAs per SM, 0 = none (default: "
+                             + ",".join(b.tag for b in M.BUILDS) + ", manifest.BUILDS)")
     args = parser.parse_args(argv)
     build_cubins(args.out, args.key, jobs=args.jobs, log=lambda s: print(s, file=sys.stderr),
-                 min_ctas=args.min_ctas)
+                 builds=args.builds)
     return 0
 
 

@@ -7,13 +7,14 @@ Timeline of one CTA:
   all      init the two exchange mbarriers, cluster arrive, PDL trigger, PDL wait
   group 0  cp.async its slices of norm, query, out_norm, prefix (has_delta), blocks -> smem;
            issues the first polling loads of its rank slots; block statistics (|b|^2, b.w),
-           warp reduce-scatter, 4 warps via smem, 7 CTAs via st.async (DSMEM); block softmax
-           kept unnormalized (max, sum, mix)
+           warp reduce-scatter, 4 warps via smem, sent to the 7 CTAs via st.async (DSMEM)
   group g  polls ranks g*S .. g*S+S-1 (S = ceil(R/G)), sums them in rank order, hands the
            f32 partial sum to group 0 through smem (named barrier 2), re-arms its slots
-  group 0  sums its slots, then adds group 1, 2, ... in group order (the prefix bits), rounds,
-           writes prefix, re-arms; 4 row dots -> second DSMEM exchange; the seed's quadratic
-           form (eps scaled by den^2); writes output, xmoe replicas (-0 -> +0), hints.
+  group 0  while the first exchange is in flight: sums its slots, then adds group 1, 2, ...
+           in group order (the prefix bits), rounds, writes prefix, re-arms, |p|^2 and p.w;
+           then the first exchange's totals: block softmax kept unnormalized (max, sum, mix);
+           4 row dots -> second DSMEM exchange; the seed's quadratic form (eps scaled by
+           den^2); writes output, xmoe replicas (-0 -> +0), hints.
 
 PDL: `griddepcontrol.launch_dependents` on entry; `griddepcontrol.wait` right after the
 shared-memory setup and BEFORE the first global read. The seed waits at exit, which is only
@@ -24,6 +25,12 @@ kernel; the later `wait` the seed has at exit is then a no-op and is left out.
 
 Bounded polling: with spin_limit > 0 a poll gives up after that many rounds, stores a code
 into `status` (1: mailbox, 2: twoshot receive slots) and continues with whatever it read.
+
+FOLDED (fold=True): 128 threads per CTA whatever `groups` is. The one group loads every slot
+and adds the groups' partial sums in group order itself, each partial summed in rank order as
+its polling group would: the same f32 operations in the same order, so the prefix bits match
+the grouped build. It saves the smem hand-off and barrier between groups and, with a quarter
+of the threads, lets more clusters be resident (T=64 fits in one wave on the H200).
 
 Ready mode: spin_limit < 0 says every slot was complete before the launch (XLA produced the
 mailbox; PDL's wait makes it visible): each fragment is loaded once, nothing is polled and
@@ -72,7 +79,7 @@ class OprojConsumer:
     """Static variant: R ranks, NB blocks, has_delta, groups, xmoe replicas, twoshot; H fixed."""
 
     def __init__(self, R: int, NB: int, *, has_delta: bool, groups: int, xmoe_replicas: int,
-                 twoshot: bool, H: int = 7168, min_ctas: int = 0):
+                 twoshot: bool, H: int = 7168, min_ctas: int = 0, fold: bool = False):
         if not 1 <= R <= 16:
             raise ValueError(f"R: expected 1 <= R <= 16, got {R}")
         if not 0 <= NB <= 8:
@@ -87,18 +94,19 @@ class OprojConsumer:
             raise ValueError(f"R: twoshot needs H/R to be a multiple of {VEC}, got R={R}")
         self.R, self.NB, self.has_delta, self.groups = R, NB, has_delta, groups
         self.reps, self.twoshot, self.H = xmoe_replicas, twoshot, H
-        if not 0 <= min_ctas <= 4:
-            raise ValueError(f"min_ctas: expected 0 (no bound) .. 4, got {min_ctas}")
+        if not 0 <= min_ctas <= 2048 // (THREADS if fold else THREADS * groups):
+            raise ValueError(f"min_ctas: expected 0 (no bound) .. 2048 / threads per CTA, got {min_ctas}")
         self.min_ctas = min_ctas  # launch bound: resident CTAs per SM ptxas must allow (registers)
+        self.fold = fold  # one 128-thread group does every polling group's work (see FOLDED)
         slots = 1 if twoshot else R  # mailbox slots this kernel polls
         self.slots = slots
         self.S = _ceil_div(slots, groups)  # slots per polling group
         self.poll_groups = _ceil_div(slots, self.S)  # groups that own at least one slot
         self.kpre = 1 << max(0, (2 * NB - 1).bit_length())  # block stats, padded to 2^k
         self.npost = 4 if NB > 0 else 1  # row dots of the second exchange
-        self.layout = Layout(NB, self.poll_groups)
-        self.threads = THREADS * groups
-        self.raw_slots = max(self.S, min(R, TWOSHOT_CHUNK) if twoshot else 1)
+        self.layout = Layout(NB, 1 if fold else self.poll_groups)
+        self.threads = THREADS if fold else THREADS * groups
+        self.raw_slots = max(slots if fold else self.S, min(R, TWOSHOT_CHUNK) if twoshot else 1)
 
     @property
     def smem_bytes(self) -> int:
@@ -113,11 +121,11 @@ class OprojConsumer:
             out.extend(P.unpack(w))
         return out
 
-    def sum_slots(self, raw, n: int):  # rank-order f32 sum of n polled fragments
+    def sum_slots(self, raw, n: int, first: int = 0):  # rank-order f32 sum of n polled fragments
         values = []
         for j in range(4):
-            lo, hi = P.unpack(raw[j])
-            for k in range(1, n):
+            lo, hi = P.unpack(raw[4 * first + j])
+            for k in range(first + 1, first + n):
                 a, b = P.unpack(raw[4 * k + j])
                 lo, hi = P.add_rn(lo, a), P.add_rn(hi, b)
             values.extend((lo, hi))
@@ -173,10 +181,9 @@ class OprojConsumer:
                 for j in cutlass.range_constexpr(4):
                     raw[4 * k + j] = first[j]
         pending = Int32(0)
-        for k in cutlass.range_constexpr(n):
-            pending = pending | P.pending_bit([raw[4 * k + j] for j in range(4)], 1 << k)
-        if spin_limit < 0:  # ready mode: XLA wrote the data before this kernel; nothing to wait for
-            pending = Int32(0)
+        if spin_limit >= 0:  # ready mode (< 0): XLA wrote the data before this kernel; no check
+            for k in cutlass.range_constexpr(n):
+                pending = pending | P.pending_bit([raw[4 * k + j] for j in range(4)], 1 << k)
         rounds = Int32(0)
         while pending != 0:
             for k in cutlass.range_constexpr(n):
@@ -255,7 +262,7 @@ class OprojConsumer:
         frag = mailbox + row * 2
         raw = cute.make_rmem_tensor(cute.make_layout(4 * self.raw_slots), cutlass.Uint32)
 
-        first_slots = min(self.S, self.slots)
+        first_slots = self.slots if self.fold else min(self.S, self.slots)  # group 0's slots
         if group == 0:
             # -- prefetch this thread's 16-byte slices into smem --------------------------
             own = t * 16
@@ -274,7 +281,7 @@ class OprojConsumer:
                     words = P.ld_poll4(frag + k * slot_stride)
                     for j in cutlass.range_constexpr(4):
                         raw[4 * k + j] = words[j]
-        else:
+        elif cutlass.const_expr(not self.fold):
             for g in cutlass.range_constexpr(1, self.poll_groups):
                 if group == g:  # first polling round of group g's slots, early
                     for k in cutlass.range_constexpr(min(self.S, self.slots - g * self.S)):
@@ -286,7 +293,7 @@ class OprojConsumer:
         P.cluster_wait()
 
         if group == 0:
-            # -- block statistics and the unnormalized block softmax ------------------------
+            # -- block statistics: first exchange sent (its round trip overlaps the rank sum) --
             mix = [Float32(0.0)] * VEC
             maximum, exp_sum, qpart = Float32(0.0), Float32(0.0), Float32(0.0)
             P.cp_async_wait_all()  # each thread reads back only its own chunks: no barrier
@@ -308,6 +315,44 @@ class OprojConsumer:
                         s = P.add_rn(s, P.lds_f32(smem + L.wpre + (w * 16 + t) * 4))
                     for peer in cutlass.range_constexpr(CTAS):
                         P.put_f32(smem + L.pre + (rank * 16 + t) * 4, s, bar_pre, peer, rank)
+
+            # -- rank sum: own slots, then the other groups' partial sums in group order ----
+            if cutlass.const_expr(self.twoshot):
+                self.twoshot_reduce(raw, recv, gather, me, T, token, h, spin_limit, status)
+            self.poll(raw, frag, slot_stride, first_slots, not self.twoshot, spin_limit, status,
+                      STATUS_MAILBOX)
+            attn = self.sum_slots(raw, min(self.S, self.slots))
+            if cutlass.const_expr(self.fold):  # each group's partial sum, added in group order
+                for g in cutlass.range_constexpr(1, self.poll_groups):
+                    part = self.sum_slots(raw, min(self.S, self.slots - g * self.S), g * self.S)
+                    attn = [P.add_rn(a, b) for a, b in zip(attn, part)]
+            elif cutlass.const_expr(self.poll_groups > 1):
+                P.bar_sync(2, THREADS * self.poll_groups)
+                for g in cutlass.range_constexpr(1, self.poll_groups):
+                    for half in cutlass.range_constexpr(2):
+                        part = P.lds4_f32(smem + L.parts + (((g - 1) * 2 + half) * THREADS + t) * 16)
+                        for j in cutlass.range_constexpr(4):
+                            attn[4 * half + j] = P.add_rn(attn[4 * half + j], part[j])
+            # a sum whose terms are all -0.0 is -0.0; published data (-0 -> +0) sums to +0.0
+            attn = [P.add_rn(a, Float32(0.0)) for a in attn]
+            p = []
+            if cutlass.const_expr(self.has_delta):
+                old = self.fragment(smem, 3, t)
+            for j in cutlass.range_constexpr(4):
+                lo, hi = P.unpack(P.pack(attn[2 * j], attn[2 * j + 1]))  # ROUND: bf16 partials
+                if cutlass.const_expr(self.has_delta):
+                    lo, hi = P.unpack(P.pack(P.add_rn(old[2 * j], lo), P.add_rn(old[2 * j + 1], hi)))
+                p.extend((lo, hi))
+            P.st4(prefix + row * 2, [P.pack(p[2 * j], p[2 * j + 1]) for j in range(4)])
+            if spin_limit >= 0:
+                for k in cutlass.range_constexpr(first_slots):
+                    P.rearm(frag + k * slot_stride)
+
+            # -- first exchange received: the block softmax, kept unnormalized (max, sum, mix) --
+            if cutlass.const_expr(NB > 0):
+                nrm, qry = self.fragment(smem, 0, t), self.fragment(smem, 1, t)
+                weight = [P.mul_rn(a, b) for a, b in zip(nrm, qry)]
+                p_dots = [P.dot8(p, p), P.dot8(p, weight)]
                 P.mbar_wait_phase0(bar_pre)
                 if t < 2 * NB:
                     sums = [P.lds_f32(smem + L.pre + t * 4), P.lds_f32(smem + L.pre + (16 + t) * 4)]
@@ -332,47 +377,16 @@ class OprojConsumer:
                     v = self.fragment(smem, 4 + b, t)
                     mix = [P.fma_rn(exps[b], v[j], mix[j]) for j in range(VEC)]
                 qpart = P.dot8(mix, mix)
-
-            # -- rank sum: own slots, then the other groups' partial sums in group order ----
-            if cutlass.const_expr(self.twoshot):
-                self.twoshot_reduce(raw, recv, gather, me, T, token, h, spin_limit, status)
-            self.poll(raw, frag, slot_stride, first_slots, not self.twoshot, spin_limit, status,
-                      STATUS_MAILBOX)
-            attn = self.sum_slots(raw, first_slots)
-            if cutlass.const_expr(self.poll_groups > 1):
-                P.bar_sync(2, THREADS * self.poll_groups)
-                for g in cutlass.range_constexpr(1, self.poll_groups):
-                    for half in cutlass.range_constexpr(2):
-                        part = P.lds4_f32(smem + L.parts + (((g - 1) * 2 + half) * THREADS + t) * 16)
-                        for j in cutlass.range_constexpr(4):
-                            attn[4 * half + j] = P.add_rn(attn[4 * half + j], part[j])
-            # a sum whose terms are all -0.0 is -0.0; published data (-0 -> +0) sums to +0.0
-            attn = [P.add_rn(a, Float32(0.0)) for a in attn]
-            p = []
-            if cutlass.const_expr(self.has_delta):
-                old = self.fragment(smem, 3, t)
-            for j in cutlass.range_constexpr(4):
-                lo, hi = P.unpack(P.pack(attn[2 * j], attn[2 * j + 1]))  # ROUND: bf16 partials
-                if cutlass.const_expr(self.has_delta):
-                    lo, hi = P.unpack(P.pack(P.add_rn(old[2 * j], lo), P.add_rn(old[2 * j + 1], hi)))
-                p.extend((lo, hi))
-
-            # -- row dots, second exchange ---------------------------------------------------
-            if cutlass.const_expr(NB > 0):
-                nrm, qry = self.fragment(smem, 0, t), self.fragment(smem, 1, t)
-                weight = [P.mul_rn(a, b) for a, b in zip(nrm, qry)]
-                dots = [P.dot8(mix, p), qpart, P.dot8(p, p), P.dot8(p, weight)]
+                dots = [P.dot8(mix, p), qpart, p_dots[0], p_dots[1]]
             else:
                 dots = [P.dot8(p, p)]
+
+            # -- row dots, second exchange ---------------------------------------------------
             value, idx = self.reduce_scatter(dots, self.npost, lane)
             spread = 32 // self.npost - 1  # lanes holding the same total: one peer each
             if (lane & spread) < CTAS:
                 P.put_f32(smem + L.post + ((rank * 4 + warp) * 4 + idx) * 4, value, bar_post,
                           lane & spread, rank)
-            P.st4(prefix + row * 2, [P.pack(p[2 * j], p[2 * j + 1]) for j in range(4)])
-            if spin_limit >= 0:
-                for k in cutlass.range_constexpr(first_slots):
-                    P.rearm(frag + k * slot_stride)
             P.mbar_wait_phase0(bar_post)
             if t < self.npost:
                 sums = []
@@ -413,7 +427,7 @@ class OprojConsumer:
                 P.sync_warp()
                 if lane == 0:
                     P.release_add(hints, 1)
-        else:
+        elif cutlass.const_expr(not self.fold):
             for g in cutlass.range_constexpr(1, self.poll_groups):
                 if group == g:
                     n = min(self.S, self.slots - g * self.S)

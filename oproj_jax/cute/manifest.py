@@ -5,8 +5,9 @@ No CuTe DSL import here: the FFI side reads the manifest on machines without the
 Directory: $OPROJ_JAX_CUBIN_DIR if set, else the package's `oproj_jax/cute/cubins/`.
 `manifest.json` there (written by `oproj_jax.cute.build`):
   {"arch": "sm_90a", "cutlass_dsl": "4.8.1", "H": 7168,
-   "kernels": [{"key": {...}, "cubin": "...", "entry": "...", "dynamic_smem_bytes": N,
-                "block": [128*groups, 1, 1], "cluster": [7, 1, 1], "params": [".u64", ...]}]}
+   "kernels": [{"key": {...}, "min_ctas": 0, "fold": false, "cubin": "...", "entry": "...",
+                "dynamic_smem_bytes": N, "block": [128*groups or 128, 1, 1], "cluster": [7, 1, 1],
+                "params": [".u64", ...]}]}
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 ENV_DIR = "OPROJ_JAX_CUBIN_DIR"
 MANIFEST = "manifest.json"
@@ -77,26 +79,54 @@ def load_manifest(directory=None) -> dict:
     return manifest
 
 
-# Every key is built twice, with these launch bounds (OprojConsumer.min_ctas): the unbounded
-# build (64 registers at R16/G4, no spills: the lowest latency, 2 CTAs per SM) serves small T;
-# the bound of 3 CTAs per SM (40 registers, a few spilled bytes) serves large T, where occupancy
-# is the bandwidth. H200, R16 NB8 G4: T=1 3.2 vs 3.6 us, T=64 10.7 vs 11.1, T=4096 483 vs 422
-# (benchmarks/results/2026-11-30-nvidia-h200-run4-sweep.json).
-MIN_CTAS = (0, 3)
-LARGE_T = 64  # T above this uses the min_ctas=3 build
+class Build(NamedTuple):
+    """How one key is compiled: the launch bound and the thread layout (kernel.OprojConsumer)."""
+
+    min_ctas: int = 0  # CTAs per SM the register allocation must allow (ptxas); 0 = no bound
+    fold: bool = False  # 128 threads per CTA, one group doing every polling group's work
+
+    @property
+    def tag(self) -> str:  # cubin name suffix and the build CLI's spelling
+        return ("f" if self.fold else "m") + str(self.min_ctas)
 
 
-def min_ctas_for(T: int) -> int:
-    """The launch-bound build that serves a call with T tokens."""
-    return MIN_CTAS[1] if T > LARGE_T else MIN_CTAS[0]
+# Every key is built three times. H200, R16 NB8 G4, kernel us at T = 1 / 64 / 4096
+# (benchmarks/results/2026-11-30-nvidia-h200-run6-sweep.json and run4-sweep.json):
+#   grouped, no bound (512 threads, 64 registers)          3.19 / 10.7 / 418
+#   grouped, min_ctas=3 (40 registers, a few spilled B)    3.6  / 11.1 / 422
+#   folded, no bound (128 threads, 127 registers)          3.10 / 9.0  / 358
+# Ready mode (XLA produced the mailbox: nothing to poll) uses the folded build at every T.
+# Protocol mode keeps the seed's grouped polling (128 * groups threads, a group per rank
+# range), unbounded up to LARGE_T tokens and bounded above.
+GROUPED, GROUPED_BOUNDED, FOLDED = Build(0), Build(3), Build(0, True)
+BUILDS = (GROUPED, GROUPED_BOUNDED, FOLDED)
+LARGE_T = 64  # protocol mode: T above this uses the bounded grouped build
 
 
-def find(manifest: dict, key, min_ctas: int = 0) -> dict | None:
-    """The manifest entry for `key` (a dict of KEY_FIELDS) built with launch bound `min_ctas`,
-    or None if that variant was not built."""
+def build_for(T: int, ready: bool) -> Build:
+    """The build that serves a call with T tokens, in ready mode or in protocol mode."""
+    if ready:
+        return FOLDED
+    return GROUPED_BOUNDED if T > LARGE_T else GROUPED
+
+
+def parse_build(text: str) -> Build:
+    """"m3" -> Build(3), "f0" -> Build(0, fold=True); ValueError naming the text otherwise."""
+    if len(text) >= 2 and text[0] in "mf" and text[1:].isdigit():
+        return Build(int(text[1:]), text[0] == "f")
+    raise ValueError(f"build: expected m<min_ctas> or f<min_ctas> (e.g. m0, m3, f0), got {text!r}")
+
+
+def entry_build(entry: dict) -> Build:
+    return Build(int(entry.get("min_ctas", 0)), bool(entry.get("fold", False)))
+
+
+def find(manifest: dict, key, build: Build = GROUPED) -> dict | None:
+    """The manifest entry for `key` (a dict of KEY_FIELDS) compiled as `build`, or None if that
+    variant was not built."""
     wanted = normalize_key(key)
     for entry in manifest["kernels"]:
-        if entry["key"] == wanted and entry.get("min_ctas", 0) == min_ctas:
+        if entry["key"] == wanted and entry_build(entry) == build:
             return entry
     return None
 
