@@ -150,12 +150,17 @@ def test_lowers_for_cuda_with_the_named_kernel_and_aliased_prefix(split):
 
 
 def test_default_choice_lowers_for_cuda():
-    # Off the interpreter the measured choice: the 7-CTA cluster up to T=32, then one CTA per token
-    # with a 4-slot ring up to T=64 and a 2-slot ring above; the interpreter has no cluster memory.
+    # Off the interpreter the measured choice: the 7-CTA cluster up to T=32, a 2-CTA cluster up to
+    # T=64, then one CTA per token with a 2-slot ring; the interpreter has no cluster memory.
     choice = {T: pallas_consumer.choose_split(T, 7168, interpret=False) for T in (1, 32, 33, 64, 65, 4096)}
-    assert choice == {1: dict(ring=4, split=7), 32: dict(ring=4, split=7), 33: dict(ring=4, split=1),
-                      64: dict(ring=4, split=1), 65: dict(ring=2, split=1), 4096: dict(ring=2, split=1)}
+    assert choice == {1: dict(ring=4, split=7), 32: dict(ring=4, split=7), 33: dict(ring=4, split=2),
+                      64: dict(ring=4, split=2), 65: dict(ring=2, split=1), 4096: dict(ring=2, split=1)}
     assert pallas_consumer.choose_split(1, 7168, interpret=True)["split"] == 1
+    # a cluster split keeps every row resident: taken only where they fit in shared memory
+    # (227 KiB): 25 rows of 7 KiB fit a CTA of the 2-split, 40 do not; 100 rows of 2 KiB fit the 7-split
+    assert pallas_consumer.choose_split(64, 7168, interpret=False, rows=40) == dict(ring=4, split=1)
+    assert pallas_consumer.choose_split(1, 7168, interpret=False, rows=100)["split"] == 7
+    assert pallas_consumer.choose_split(1, 7168, interpret=False, rows=120) == dict(ring=4, split=1)
     config = configs.Config(16, 1, 8)
 
     def fn(*args):

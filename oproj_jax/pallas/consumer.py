@@ -11,7 +11,8 @@ With split > 1 a cluster of `split` CTAs shares a token (each owns H/split colum
 of its slice stay resident in shared memory, and the row reductions (s.w and s.s of the NB + 1
 sources, then y.y) are combined across the cluster in two exchange rounds through distributed
 shared memory, behind `barrier.cluster` (release/acquire). Every CTA adds the partial sums in
-CTA order, so all CTAs of a token use identical scalars. choose_split picks the split by T.
+CTA order, so all CTAs of a token use identical scalars. choose_split picks the split by T
+(7 CTAs up to 32 tokens, 2 up to 64, where the resident rows fit in shared memory).
 Interpret mode has no cluster memory, so the CPU runs split=1; the cluster path is checked on
 the GPU by benchmarks/pallas_smoke.py and, for T <= SPLIT_MAX_T, by every registry check.
 """
@@ -33,8 +34,11 @@ LANES = 256  # TMA boxes take at most 256 elements per dimension: a row is [H / 
 RING = 4  # split == 1: shared-memory slots in flight per CTA (each one row of H bf16)
 SPLIT = 7  # CTAs (one cluster) per token at small T: 7168 = 7 x 4 x 256
 SPLIT_MAX_T = 32  # up to this many tokens (measured: below, the cluster split is 1.6-1.8x faster)
+PAIR = 2  # a cluster of 2 CTAs per token above SPLIT_MAX_T ...
+PAIR_MAX_T = 64  # ... up to this many tokens (measured 1.1-1.2x faster than one CTA per token)
 RING_MAX_T = 64  # split == 1: ring=RING up to this many tokens, 2 above (two CTAs fit an SM)
 EXCHANGE = 128  # f32 slots per cluster exchange round (>= 2 * (NB + 1); one per thread)
+SMEM_LIMIT = 227 * 1024  # sm_90: the most dynamic shared memory one CTA may opt in to
 
 f32, bf16 = jnp.float32, jnp.bfloat16
 
@@ -213,20 +217,35 @@ def _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, reps, ring, split):
     return body, scratch
 
 
-def choose_split(T: int, H: int, interpret: bool) -> dict:
-    """The work split per token, chosen by measurement on the H200 (benchmarks/pallas_smoke.py
-    --profile, kernel time per call; benchmarks/results/logs/2026-11-30-run4-pallas_split.txt):
+def resident_smem_bytes(rows: int, H: int, split: int) -> int:
+    """Shared memory of the cluster path (`split` > 1): every row of the token's slice resident,
+    plus the 3 weight rows, the prefix and output staging rows, the exchange buffers and barriers."""
+    row = H // split * 2
+    return (rows + 5) * row + 4 * EXCHANGE * 4 + 8 * (rows + 3)
 
-      T        1     8     16    32    64    512
-      split=7  6.1   6.6   7.3   8.8   17.0  88.8   (cluster of 7 CTAs, all rows resident)
-      ring=4   11.2  12.2  13.0  13.7  14.9  63.0   (one CTA per token)
-      ring=2   11.4  14.4  15.4  16.0  16.9  56.9   (one CTA per token, two CTAs per SM)
 
-    and ring=2 at T=4096: 392 us. Interpret mode has no cluster shared memory: one CTA per
-    token there.
+def choose_split(T: int, H: int, interpret: bool, rows: int = 25) -> dict:
+    """The work split per token for T tokens of `rows` streamed rows each (R + has_delta + NB),
+    chosen by measurement on the H200 (benchmarks/pallas_smoke.py --profile, kernel us per
+    call; benchmarks/results/logs/2026-11-30-run4-pallas_split.txt and run6-pallas_split.txt):
+
+      T        1     8     16    32    48    64    128   256   512
+      split=7  6.1   6.6   7.3   8.7   -     17.0  -     -     88.8  (cluster of 7 CTAs, rows resident)
+      split=2  7.5   8.9   -     10.5  11.9  13.1  24.8  43.1  -     (cluster of 2 CTAs, rows resident)
+      ring=4   11.2  12.2  13.0  13.7  14.2  14.8  17.9  35.6  63.0  (one CTA per token)
+      ring=2   11.4  14.4  15.4  16.0  16.4  17.0  19.3  28.4  56.9  (one CTA per token, 2 CTAs/SM)
+
+    and ring=2 at T=4096: 392 us. A cluster split is taken only where its resident rows fit in
+    shared memory. Interpret mode has no cluster shared memory: one CTA per token there.
     """
-    if T <= SPLIT_MAX_T and (H // LANES) % SPLIT == 0 and not interpret:
+    def fits(split):
+        # 8 KiB of slack for the alignment Mosaic gives each scratch buffer
+        return (H // LANES) % split == 0 and resident_smem_bytes(rows, H, split) <= SMEM_LIMIT - 8 * 1024
+
+    if not interpret and T <= SPLIT_MAX_T and fits(SPLIT):
         return dict(ring=RING, split=SPLIT)
+    if not interpret and T <= PAIR_MAX_T and fits(PAIR):
+        return dict(ring=RING, split=PAIR)
     return dict(ring=RING if T <= RING_MAX_T else 2, split=1)
 
 
@@ -245,9 +264,11 @@ def consumer(
     xmoe_replicas: int,
 ) -> ConsumerResult:
     """The backend entry (api.consumer has checked the arguments): the kernel, tuned per shape."""
+    R, NB = mailbox.shape[0], blocks.shape[1]
     return consumer_with(
         mailbox, prefix, blocks, norm, query, out_norm, eps=eps, out_eps=out_eps, has_delta=has_delta,
-        groups=groups, xmoe_replicas=xmoe_replicas, **choose_split(mailbox.shape[1], mailbox.shape[2], _interpret()),
+        groups=groups, xmoe_replicas=xmoe_replicas,
+        **choose_split(mailbox.shape[1], mailbox.shape[2], _interpret(), rows=len(_rows(R, NB, has_delta))),
     )
 
 
