@@ -231,6 +231,44 @@ ffi::ErrorOr<int64_t> CheckCommon(std::string_view entry, const Bf16_3& slots, c
 // valid pointer (cute/ABI.md: blocks when NB = 0, xmoe when reps = 0).
 void* OrValid(void* maybe, size_t count, void* valid) { return count ? maybe : valid; }
 
+// The kernel parameters in cute/ABI.md order: 0..13 for every target, 14..16 for twoshot.
+// cuLaunchKernelEx takes the address of each value, so they live here for the launch.
+struct KernelParams {
+  void* ptr[12];
+  float eps, out_eps;
+  int32_t tokens, spin_limit, me = 0;
+  void* params[17];
+
+  KernelParams(void* slots, void* prefix, const Bf16_3& blocks, const Bf16_1& norm, const Bf16_1& query,
+               const Bf16_1& out_norm, ffi::Result<Bf16_2>& output, ffi::Result<Bf16_3>& xmoe, void* hints,
+               void* status, float eps_, float out_eps_, int32_t tokens_, int32_t spin_limit_)
+      : ptr{slots,
+            prefix,
+            OrValid(blocks.untyped_data(), blocks.element_count(), prefix),
+            norm.untyped_data(),
+            query.untyped_data(),
+            out_norm.untyped_data(),
+            output->untyped_data(),
+            OrValid(xmoe->untyped_data(), xmoe->element_count(), output->untyped_data()),
+            hints,
+            status,
+            nullptr,
+            nullptr},
+        eps(eps_), out_eps(out_eps_), tokens(tokens_), spin_limit(spin_limit_),
+        params{&ptr[0], &ptr[1], &ptr[2], &ptr[3], &ptr[4], &ptr[5], &ptr[6], &ptr[7], &ptr[8],
+               &ptr[9], &eps,    &out_eps, &tokens, &spin_limit, &ptr[10], &ptr[11], &me} {}
+
+  KernelParams(const KernelParams&) = delete;  // `params` points into this object
+
+  // twoshot: the receive slots, the gather target and this rank's slice
+  void** Twoshot(void* recv, void* gather_target, int32_t me_) {
+    ptr[10] = recv;
+    ptr[11] = gather_target;
+    me = me_;
+    return params;
+  }
+};
+
 // ---- oneshot: mailbox [R, T, H] ----------------------------------------------------------------
 ffi::Error OneshotExecute(CUstream stream,
                           Bf16_3 mailbox,  // [R, T, H] rank slots: polled, then re-armed in place
@@ -257,19 +295,9 @@ ffi::Error OneshotExecute(CUstream stream,
                      InPlace(stream, entry, "hints", hints, hints_out, 4),
                      InPlace(stream, entry, "status", status, status_out, 4)})
     if (error.failure()) return error;
-  void* ptr[10] = {mailbox_out->untyped_data(),
-                   prefix_out->untyped_data(),
-                   OrValid(blocks.untyped_data(), blocks.element_count(), prefix.untyped_data()),
-                   norm.untyped_data(),
-                   query.untyped_data(),
-                   out_norm.untyped_data(),
-                   output->untyped_data(),
-                   OrValid(xmoe->untyped_data(), xmoe->element_count(), output->untyped_data()),
-                   hints_out->untyped_data(),
-                   status_out->untyped_data()};
-  void* params[14] = {&ptr[0], &ptr[1], &ptr[2], &ptr[3], &ptr[4], &ptr[5], &ptr[6],
-                      &ptr[7], &ptr[8], &ptr[9], &eps,    &out_eps, &T,     &spin_limit};
-  return Launch(stream, {cubin, entry, smem, block, pdl, T}, params);
+  KernelParams params(mailbox_out->untyped_data(), prefix_out->untyped_data(), blocks, norm, query, out_norm, output,
+                      xmoe, hints_out->untyped_data(), status_out->untyped_data(), eps, out_eps, T, spin_limit);
+  return Launch(stream, {cubin, entry, smem, block, pdl, T}, params.params);
 }
 
 // ---- ready: mailbox [R, T, H] produced by XLA before the launch; read once, never written ------
@@ -295,19 +323,9 @@ ffi::Error ReadyExecute(CUstream stream,
   if (auto error = InPlace(stream, entry, "prefix", prefix, prefix_out, 2); error.failure()) return error;
   int32_t tokens = int32_t(*T);
   auto* words = static_cast<uint32_t*>(scratch->untyped_data());
-  void* ptr[10] = {mailbox.untyped_data(),
-                   prefix_out->untyped_data(),
-                   OrValid(blocks.untyped_data(), blocks.element_count(), prefix.untyped_data()),
-                   norm.untyped_data(),
-                   query.untyped_data(),
-                   out_norm.untyped_data(),
-                   output->untyped_data(),
-                   OrValid(xmoe->untyped_data(), xmoe->element_count(), output->untyped_data()),
-                   words,
-                   words + 1};
-  void* params[14] = {&ptr[0], &ptr[1], &ptr[2], &ptr[3], &ptr[4], &ptr[5], &ptr[6],
-                      &ptr[7], &ptr[8], &ptr[9], &eps,    &out_eps, &tokens, &spin_limit};
-  return Launch(stream, {cubin, entry, smem, block, pdl, tokens}, params);
+  KernelParams params(mailbox.untyped_data(), prefix_out->untyped_data(), blocks, norm, query, out_norm, output,
+                      xmoe, words, words + 1, eps, out_eps, tokens, spin_limit);
+  return Launch(stream, {cubin, entry, smem, block, pdl, tokens}, params.params);
 }
 
 // ---- twoshot: gather row [1, T, H] + receive slots [R, T, H/R] ---------------------------------
@@ -347,21 +365,11 @@ ffi::Error TwoshotExecute(CUstream stream,
                      InPlace(stream, entry, "status", status, status_out, 4),
                      InPlace(stream, entry, "recv", recv, recv_out, 2)})
     if (error.failure()) return error;
-  void* ptr[12] = {gather_out->untyped_data(),
-                   prefix_out->untyped_data(),
-                   OrValid(blocks.untyped_data(), blocks.element_count(), prefix.untyped_data()),
-                   norm.untyped_data(),
-                   query.untyped_data(),
-                   out_norm.untyped_data(),
-                   output->untyped_data(),
-                   OrValid(xmoe->untyped_data(), xmoe->element_count(), output->untyped_data()),
-                   hints_out->untyped_data(),
-                   status_out->untyped_data(),
-                   recv_out->untyped_data(),
-                   gather_out->untyped_data()};  // one GPU: the gather target is the gather row itself
-  void* params[17] = {&ptr[0], &ptr[1], &ptr[2],  &ptr[3], &ptr[4],     &ptr[5],  &ptr[6], &ptr[7], &ptr[8],
-                      &ptr[9], &eps,    &out_eps, &T,      &spin_limit, &ptr[10], &ptr[11], &me};
-  return Launch(stream, {cubin, entry, smem, block, pdl, T}, params);
+  KernelParams params(gather_out->untyped_data(), prefix_out->untyped_data(), blocks, norm, query, out_norm, output,
+                      xmoe, hints_out->untyped_data(), status_out->untyped_data(), eps, out_eps, T, spin_limit);
+  // one GPU: the gather target is the gather row itself
+  return Launch(stream, {cubin, entry, smem, block, pdl, T},
+                params.Twoshot(recv_out->untyped_data(), gather_out->untyped_data(), me));
 }
 
 // initialize stage: the same call frame (every attribute must be bound); loads the module.
