@@ -4,10 +4,13 @@ One token per cluster of 7 CTAs (grid (7, T)), 128 * groups threads per CTA. Thr
 group 0 in CTA c owns the 8 contiguous elements h = (c*128 + i)*8 .. +7 of the hidden row.
 
 Timeline of one CTA:
-  all      init the two exchange mbarriers, cluster arrive, PDL trigger, PDL wait
+  all      PDL trigger, PDL wait
   group 0  cp.async its slices of norm, query, out_norm, prefix (has_delta), blocks -> smem;
-           issues the first polling loads of its rank slots; block statistics (|b|^2, b.w),
-           warp reduce-scatter, 4 warps via smem, sent to the 7 CTAs via st.async (DSMEM)
+           issues the first polling loads of its rank slots
+  all      while those loads are in flight: thread 0 inits the two exchange mbarriers, then
+           the cluster barrier (peers may deliver into them after it)
+  group 0  block statistics (|b|^2, b.w), warp reduce-scatter, 4 warps via smem, sent to the
+           7 CTAs via st.async (DSMEM)
   group g  polls ranks g*S .. g*S+S-1 (S = ceil(R/G)), sums them in rank order, hands the
            f32 partial sum to group 0 through smem (named barrier 2), re-arms its slots
   group 0  while the first exchange is in flight: sums its slots, then adds group 1, 2, ...
@@ -242,17 +245,6 @@ class OprojConsumer:
         allocator = cutlass.utils.SmemAllocator()
         smem = allocator.allocate(L.size, 128).toint()  # Int32 shared-window address
         bar_pre, bar_post = smem + L.bar, smem + L.bar + 8
-        if thread == 0:
-            # each exchange: one arrival here, one per value this CTA delivers to itself
-            # (st.shared + arrive), and the bytes the 6 peers deliver by st.async
-            if cutlass.const_expr(NB > 0):
-                P.mbar_init(bar_pre, 1 + 2 * NB)
-            P.mbar_init(bar_post, 1 + 4 * self.npost)
-            P.fence_mbar_init()
-            if cutlass.const_expr(NB > 0):
-                P.mbar_arrive_expect_tx(bar_pre, (CTAS - 1) * 2 * NB * 4)
-            P.mbar_arrive_expect_tx(bar_post, (CTAS - 1) * 4 * self.npost * 4)
-        P.cluster_arrive_relaxed()
         P.griddep_launch_dependents()
         P.griddep_wait()  # before the first global read: see the module docstring
 
@@ -288,6 +280,18 @@ class OprojConsumer:
                         words = P.ld_poll4(frag + (g * self.S + k) * slot_stride)
                         for j in cutlass.range_constexpr(4):
                             raw[4 * k + j] = words[j]
+        # the exchange barriers are set up while the loads are in flight (not before them)
+        if thread == 0:
+            # each exchange: one arrival here, one per value this CTA delivers to itself
+            # (st.shared + arrive), and the bytes the 6 peers deliver by st.async
+            if cutlass.const_expr(NB > 0):
+                P.mbar_init(bar_pre, 1 + 2 * NB)
+            P.mbar_init(bar_post, 1 + 4 * self.npost)
+            P.fence_mbar_init()
+            if cutlass.const_expr(NB > 0):
+                P.mbar_arrive_expect_tx(bar_pre, (CTAS - 1) * 2 * NB * 4)
+            P.mbar_arrive_expect_tx(bar_post, (CTAS - 1) * 4 * self.npost * 4)
+        P.cluster_arrive_relaxed()
         # every thread waits on the cluster barrier: ptxas lowers the wait to the cluster
         # barrier plus a CTA-wide bar.sync 0 (peers' mbarriers are initialized after it)
         P.cluster_wait()
