@@ -83,14 +83,16 @@ def _key_build_command(key: dict, build: cute_manifest.Build) -> str:
 
 
 @functools.lru_cache(maxsize=4)
-def _parsed_manifest(directory: str, stamp: tuple[int, int] | None) -> dict:
+def _parsed_manifest(directory: str, stamp: tuple[int, int] | None) -> tuple[dict, dict]:
     del stamp  # the file's (mtime, size): part of the key only, so a rebuilt manifest is read again
-    return cute_manifest.load_manifest(directory)
+    manifest = cute_manifest.load_manifest(directory)
+    return manifest, cute_manifest.index(manifest)
 
 
-def _manifest() -> tuple[dict | None, str]:
-    """(the manifest, its directory) or (None, why it is missing). Parsed once per file version
-    (~3 ms for the default set): every eager call asks for it several times."""
+def _manifest() -> tuple[tuple[dict, dict] | None, str]:
+    """((the manifest, its index), its directory) or (None, why it is missing). Parsed and
+    indexed once per file version (~3 ms for the default set): every eager call asks for a
+    kernel several times."""
     directory = cute_manifest.default_dir()
     try:
         stat = (directory / cute_manifest.MANIFEST).stat()
@@ -113,11 +115,12 @@ class _Kernel(NamedTuple):
 def _kernel(key: dict, T: int, ready: bool) -> _Kernel:
     """The cubin for `key`, T tokens and the mode (manifest.build_for), or a ValueError naming
     the key and the command that builds it."""
-    manifest, where = _manifest()
-    if manifest is None:
+    parsed, where = _manifest()
+    if parsed is None:
         raise ValueError(f"no CuTe cubins/manifest found ({where})")
+    manifest, entries = parsed
     build = cute_manifest.build_for(T, ready)
-    entry = cute_manifest.find(manifest, key, build)
+    entry = cute_manifest.find(manifest, key, build, entries)
     if entry is None:
         mode = "ready" if ready else "protocol"
         raise ValueError(f"no CuTe cubin for key {cute_manifest.describe(key)} built as {build.tag} ({mode} mode, "
@@ -152,8 +155,8 @@ def unavailable_reason(platform: str) -> str | None:
     reason = ffi.unavailable_reason()
     if reason:
         return reason
-    manifest, where = _manifest()
-    if manifest is None:
+    parsed, where = _manifest()
+    if parsed is None:
         return f"no CuTe cubins/manifest found ({where}); `{BUILD_COMMAND}` builds cubins and library (no GPU needed)"
     return None
 

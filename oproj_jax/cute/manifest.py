@@ -23,12 +23,15 @@ KEY_FIELDS = ("R", "NB", "has_delta", "groups", "xmoe_replicas", "twoshot")
 _BOOL_FIELDS = ("has_delta", "twoshot")
 
 
+PACKAGE_DIR = Path(__file__).resolve().parent / "cubins"  # resolved once: asked for on every call
+
+
 def default_dir() -> Path:
     """$OPROJ_JAX_CUBIN_DIR if set (and non-empty), else oproj_jax/cute/cubins/."""
     env = os.environ.get(ENV_DIR)
     if env:
         return Path(env)
-    return Path(__file__).resolve().parent / "cubins"
+    return PACKAGE_DIR
 
 
 def make_key(R, NB, has_delta, groups, xmoe_replicas, twoshot) -> dict:
@@ -121,14 +124,20 @@ def entry_build(entry: dict) -> Build:
     return Build(int(entry.get("min_ctas", 0)), bool(entry.get("fold", False)))
 
 
-def find(manifest: dict, key, build: Build = GROUPED) -> dict | None:
+def _lookup(key: dict, build: Build) -> tuple:
+    return tuple(key[f] for f in KEY_FIELDS), build
+
+
+def index(manifest: dict) -> dict:
+    """(key fields, build) -> entry, for every entry: build it once where lookups are frequent."""
+    return {_lookup(normalize_key(e["key"]), entry_build(e)): e for e in manifest["kernels"]}
+
+
+def find(manifest: dict, key, build: Build = GROUPED, entries: dict | None = None) -> dict | None:
     """The manifest entry for `key` (a dict of KEY_FIELDS) compiled as `build`, or None if that
-    variant was not built."""
-    wanted = normalize_key(key)
-    for entry in manifest["kernels"]:
-        if entry["key"] == wanted and entry_build(entry) == build:
-            return entry
-    return None
+    variant was not built. `entries`: index(manifest), if the caller keeps one."""
+    entries = index(manifest) if entries is None else entries
+    return entries.get(_lookup(normalize_key(key), build))
 
 
 def cubin_path(manifest: dict, entry: dict) -> Path:
