@@ -104,7 +104,7 @@ def chain_time(T: int, K: int, variant: dict, reps: int, profile: bool = False) 
         best = min(best, time.perf_counter() - t0)
     kernel_us = None
     if profile:
-        kernel_us, _, _ = timing.profiled_us(lambda i: chain(p0, mb, bl, n, q, on), K)
+        kernel_us, _, _, _ = timing.profiled_us(lambda i: chain(p0, mb, bl, n, q, on), K)
     del mb, bl
     return best, kernel_us
 

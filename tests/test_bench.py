@@ -196,3 +196,12 @@ def test_slope_removes_constant_overhead(monkeypatch):
     assert per_call == pytest.approx(1000.0)
     assert (t1, t2) == (pytest.approx(4000.0), pytest.approx(8000.0))
     assert noise == pytest.approx(0.0, abs=1e-6)  # one outlier does not move the medians or the MADs
+
+
+def test_busy_time_counts_overlapping_kernels_once():
+    # [0, 3000) and [2000, 5000) ns overlap by 1 us (a PDL launch waiting on its predecessor);
+    # a gap [5000, 6000) is idle; [6000, 7000) and the nested [6200, 6500) add 1 us
+    intervals = [(6200, 6500), (0, 3000), (2000, 5000), (6000, 7000)]
+    assert timing.busy_us(intervals) == pytest.approx(6.0)
+    assert timing.busy_us([]) == 0.0
+    assert timing.busy_us([(10, 20), (20, 30)]) == pytest.approx(0.02)

@@ -163,7 +163,7 @@ def _timing_record(name: str, config: configs.Config, t) -> dict:
         has_delta=config.has_delta, config=config.name, us=t.us, device=device_name(), date=today(),
         bytes=configs.min_bytes(config), method=t.method, k1=t.k1, k2=t.k2, reps=t.reps, n_sets=t.n_sets,
         t_k1_us=t.t_k1_us, t_k2_us=t.t_k2_us, noise_us=t.noise_us, us_profiler=t.us_profiler,
-        us_kernels=t.us_profiler_kernels,
+        us_kernels=t.us_profiler_kernels, us_busy=t.us_profiler_busy,
         profiler_note=t.profiler_note, us_profiler_single=t.us_profiler_single,
         profiler_single_note=t.profiler_single_note,
     )
@@ -172,7 +172,8 @@ def _timing_record(name: str, config: configs.Config, t) -> dict:
 def _log_timing(name: str, config: configs.Config, t) -> None:
     profiler = ""
     if t.us_profiler is not None:
-        kernels = f", kernels {t.us_profiler_kernels:.1f}" if t.us_profiler_kernels is not None else ""
+        kernels = f", kernels {t.us_profiler_kernels:.2f}" if t.us_profiler_kernels is not None else ""
+        kernels += f", busy {t.us_profiler_busy:.2f}" if t.us_profiler_busy is not None else ""
         profiler = f"  (profiler {t.us_profiler:.1f}{kernels})"
     log(f"time T={config.T:5d} {name:10s} {t.us:9.1f} us/call" + profiler
         + (f"  (1-call jit profiler {t.us_profiler_single:.1f})" if t.us_profiler_single is not None else "")

@@ -51,6 +51,9 @@ class Timing:
     # the same less the memcpy events: in a chain those are XLA's copy of the non-donated
     # prefix argument (aliased by the kernel), once per execution before the first call
     us_profiler_kernels: float | None = None
+    # the kernels' busy time (union of their intervals): less than us_profiler_kernels where
+    # PDL let a kernel start while its predecessor ran
+    us_profiler_busy: float | None = None
     us_profiler_single: float | None = None  # kernel time per call of the one-call executable
     profiler_single_note: str | None = None
     method_text: str | None = None  # set by timers that measure differently (torch: CUDA graphs)
@@ -140,19 +143,36 @@ def time_backend(backend: str, pool: bench_inputs.DevicePool, config: configs.Co
     us, m1, m2, noise = slope(fn1, fn2, pool.args, k1, k2, reps)
     timing = Timing(us, k1, k2, reps, pool.n_sets, m1, m2, noise)
     if profile:
-        timing.us_profiler, timing.profiler_note, timing.us_profiler_kernels = profiled_us_per_call(fn2, pool.args, k2)
-        timing.us_profiler_single, timing.profiler_single_note, _ = profiled_single_us(step, pool)
+        (timing.us_profiler, timing.profiler_note, timing.us_profiler_kernels,
+         timing.us_profiler_busy) = profiled_us_per_call(fn2, pool.args, k2)
+        timing.us_profiler_single, timing.profiler_single_note, _, _ = profiled_single_us(step, pool)
     return timing
 
 
 # --- profiler cross-check ---------------------------------------------------------------------
 
 
-def _device_event_summary(xplane_path: str) -> tuple[dict[str, tuple[int, float]], dict[str, float]]:
-    """GPU plane line name -> (events, summed duration in us); and, over the stream lines,
-    kernel name -> summed duration in us (where the time goes: the kernel, copies, fusions)."""
+def busy_us(intervals) -> float:
+    """Length in us of the union of (start_ns, end_ns) intervals: device time during which at
+    least one of them ran. Kernels launched with PDL start before their predecessor ends and
+    wait (griddepcontrol.wait); summing durations counts that overlap twice, the union does not."""
+    total, end = 0, None
+    for start, stop in sorted(intervals):
+        if end is None or start > end:
+            total += stop - start
+            end = stop
+        elif stop > end:
+            total += stop - end
+            end = stop
+    return total / 1e3
+
+
+def _device_event_summary(xplane_path: str) -> tuple[dict[str, tuple[int, float]], dict[str, float], float]:
+    """GPU plane line name -> (events, summed duration in us); over the stream lines, kernel
+    name -> summed duration in us (where the time goes: the kernel, copies, fusions); and the
+    busy time (busy_us) of the stream events other than memcpys."""
     data = jax.profiler.ProfileData.from_file(xplane_path)
-    summary, kernels = {}, {}
+    summary, kernels, intervals = {}, {}, []
     for plane in data.planes:
         if not plane.name.startswith("/device:GPU"):
             continue
@@ -163,18 +183,23 @@ def _device_event_summary(xplane_path: str) -> tuple[dict[str, tuple[int, float]
                 total += event.duration_ns / 1e3
                 if line.name.startswith("Stream"):
                     kernels[event.name] = kernels.get(event.name, 0.0) + event.duration_ns / 1e3
+                    if not event.name.lower().startswith("memcpy"):
+                        intervals.append((event.start_ns, event.start_ns + event.duration_ns))
             key = f"{plane.name}|{line.name}"
             summary[key] = (n, total)
-    return summary, kernels
+    return summary, kernels, busy_us(intervals)
 
 
-def profiled_us(run, calls_per_run: int, runs: int = 3) -> tuple[float | None, str, float | None]:
+Profile = tuple[float | None, str, float | None, float | None]
+
+
+def profiled_us(run, calls_per_run: int, runs: int = 3) -> Profile:
     """Summed device time per call from a jax.profiler trace of `runs` calls of run(i) (each
     doing `calls_per_run` consumer calls; run(0) runs untraced first), read from the GPU
-    'Stream' lines of the xplane; a note naming the lines used; and the time per call of the
-    events other than memcpys (the kernels)."""
+    'Stream' lines of the xplane; a note naming the lines used; the time per call of the
+    events other than memcpys (the kernels); and their busy time per call (busy_us)."""
     if jax.default_backend() != "gpu":
-        return None, "profiler cross-check runs on the GPU only", None
+        return None, "profiler cross-check runs on the GPU only", None, None
     try:
         jax.block_until_ready(run(0))
         with tempfile.TemporaryDirectory() as tmp:
@@ -183,13 +208,13 @@ def profiled_us(run, calls_per_run: int, runs: int = 3) -> tuple[float | None, s
                     jax.block_until_ready(run(i + 1))
             paths = glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)
             if not paths:
-                return None, "no xplane.pb written", None
-            summary, kernels = _device_event_summary(paths[0])
+                return None, "no xplane.pb written", None, None
+            summary, kernels, busy = _device_event_summary(paths[0])
     except Exception as err:  # the cross-check must not abort a benchmark run
-        return None, f"profiler failed: {type(err).__name__}: {err}", None
+        return None, f"profiler failed: {type(err).__name__}: {err}", None, None
     streams = {key: v for key, v in summary.items() if key.split("|", 1)[1].startswith("Stream")}
     if not streams:
-        return None, f"no GPU stream lines in the trace (lines: {sorted(summary)})", None
+        return None, f"no GPU stream lines in the trace (lines: {sorted(summary)})", None, None
     total = sum(v[1] for v in streams.values())
     events = sum(v[0] for v in streams.values())
     note = f"{events} device events on {len(streams)} stream line(s): " + ", ".join(
@@ -199,15 +224,15 @@ def profiled_us(run, calls_per_run: int, runs: int = 3) -> tuple[float | None, s
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:4]
     note += "; per call: " + ", ".join(f"{name[:60]} {us / calls:.2f} us" for name, us in top)
     copies = sum(us for name, us in kernels.items() if name.lower().startswith("memcpy"))
-    return total / calls, note, (total - copies) / calls
+    return total / calls, note, (total - copies) / calls, busy / calls
 
 
-def profiled_us_per_call(fn, args_of, k: int, executions: int = 3) -> tuple[float | None, str, float | None]:
+def profiled_us_per_call(fn, args_of, k: int, executions: int = 3) -> Profile:
     """Kernel time per call of a k-call chain executable."""
     return profiled_us(lambda i: fn(*args_of(i)), k, executions)
 
 
-def profiled_single_us(step, pool: bench_inputs.DevicePool, calls: int = 8) -> tuple[float | None, str, float | None]:
+def profiled_single_us(step, pool: bench_inputs.DevicePool, calls: int = 8) -> Profile:
     """Kernel time per call of the one-call executable (`step` jitted alone), `calls` calls per
     run on distinct input sets, outputs kept until the run ends: shows whether compiling the
     call inside a chain changed XLA's choices."""
@@ -288,7 +313,7 @@ def copy_bandwidth(platform: str, reps: int, profile: bool, kinds=("d2d", "xor")
         us, _, _, noise = slope(fn1, fn2, args_of, k1, k2, reps)
         result = CopyBandwidth(kind, 2 * size, us, k1, k2, reps, noise)
         if profile:
-            result.us_profiler, result.profiler_note, _ = profiled_us_per_call(fn2, args_of, k2)
+            result.us_profiler, result.profiler_note, _, _ = profiled_us_per_call(fn2, args_of, k2)
         results.append(result)
     del lists
     return results
