@@ -9,6 +9,7 @@ oproj_jax.reference (same summation order), the output with testing.output_f64 (
 from __future__ import annotations
 
 import re
+import types
 import unittest.mock
 
 import jax
@@ -118,6 +119,17 @@ def test_cluster_split_needs_a_gpu():
         pallas_consumer.consumer_with(*(x[k] for k in ARGS), **EPS, **config.options(), ring=4, split=7)
 
 
+def test_batched_copies_need_resident_rows():
+    # batch > 1 copies several mailbox rows into consecutive slots: only the cluster path keeps
+    # every row resident; the one-CTA ring refills its slots row by row
+    config = configs.Config(2, 1, 1)
+    x = _arrays(config)
+    for split, batch in ((1, 4), (7, 0)):
+        with pytest.raises(ValueError, match=f"batch: expected 1, or > 1 with a cluster split.*got {batch}"):
+            pallas_consumer.consumer_with(*(x[k] for k in ARGS), **EPS, **config.options(), ring=4, split=split,
+                                          batch=batch)
+
+
 # ---- CUDA lowering on this CPU machine (abstract H200): the named kernel, and the in-place prefix.
 
 
@@ -153,7 +165,7 @@ def test_default_choice_lowers_for_cuda():
     # Off the interpreter the measured choice: the 7-CTA cluster up to T=32, a 2-CTA cluster up to
     # T=64, then one CTA per token with a 2-slot ring; the interpreter has no cluster memory.
     choice = {T: pallas_consumer.choose_split(T, 7168, interpret=False) for T in (1, 32, 33, 64, 65, 4096)}
-    assert choice == {1: dict(ring=4, split=7), 32: dict(ring=4, split=7), 33: dict(ring=4, split=2),
+    assert choice == {1: dict(ring=4, split=7, batch=16), 32: dict(ring=4, split=7, batch=16), 33: dict(ring=4, split=2),
                       64: dict(ring=4, split=2), 65: dict(ring=2, split=1), 4096: dict(ring=2, split=1)}
     assert pallas_consumer.choose_split(1, 7168, interpret=True)["split"] == 1
     # a cluster split keeps every row resident: taken only where they fit in shared memory
@@ -186,3 +198,12 @@ def test_parity_gpu(gpu, config, variant):
     else:
         got = pallas_consumer.consumer_with(*args, **EPS, **config.options(), **variant)
     _check(config, got, x)
+
+
+def test_warp_dots_refuses_an_exchange_buffer_too_small():
+    # 4 warps x 40 dots need 160 slots; the kernel's exchange buffers have 128
+    from oproj_jax.pallas import warp_dots
+
+    small = types.SimpleNamespace(shape=(pallas_consumer.EXCHANGE,))
+    with pytest.raises(ValueError, match="out: needs 160 f32 slots for 40 dots, has 128"):
+        warp_dots.warp_dots([(None, None)] * 40, small, layout=None)

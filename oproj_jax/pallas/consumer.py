@@ -10,8 +10,9 @@ output and its -0-free replicas. Grid (T,): one CTA (one warpgroup) per token.
 With split > 1 a cluster of `split` CTAs shares a token (each owns H/split columns): all rows
 of its slice stay resident in shared memory, and the row reductions (s.w and s.s of the NB + 1
 sources, then y.y) are combined across the cluster in two exchange rounds through distributed
-shared memory, behind `barrier.cluster` (release/acquire). Every CTA adds the partial sums in
-CTA order, so all CTAs of a token use identical scalars. choose_split picks the split by T
+shared memory, behind `barrier.cluster` (release/acquire). Each warp's partial dots go straight
+to shared memory (warp_dots.py: no warpgroup reduction per dot); every CTA adds the warps' and
+CTAs' partials in the same fixed order, so all CTAs of a token use identical scalars. choose_split picks the split by T
 (7 CTAs up to 32 tokens, 2 up to 64, where the resident rows fit in shared memory).
 Interpret mode has no cluster memory, so the CPU runs split=1; the cluster path is checked on
 the GPU by benchmarks/pallas_smoke.py and, for T <= SPLIT_MAX_T, by every registry check.
@@ -24,10 +25,12 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from oproj_jax.api import ConsumerResult, Dims
+from oproj_jax.pallas import warp_dots
 
 KERNEL_NAME = "oproj_consumer_pallas"  # the name the lowered module carries (tests look for it)
 LANES = 256  # TMA boxes take at most 256 elements per dimension: a row is [H / 256, 256]
@@ -36,8 +39,9 @@ SPLIT = 7  # CTAs (one cluster) per token at small T: 7168 = 7 x 4 x 256
 SPLIT_MAX_T = 32  # up to this many tokens (measured: below, the cluster split is 1.6-1.8x faster)
 PAIR = 2  # a cluster of 2 CTAs per token above SPLIT_MAX_T ...
 PAIR_MAX_T = 64  # ... up to this many tokens (measured 1.1-1.2x faster than one CTA per token)
+MAILBOX_BATCH = 16  # split=7: mailbox rows per copy (one copy for R <= 16; 1.2x faster at T <= 32)
 RING_MAX_T = 64  # split == 1: ring=RING up to this many tokens, 2 above (two CTAs fit an SM)
-EXCHANGE = 128  # f32 slots per cluster exchange round (>= 2 * (NB + 1); one per thread)
+EXCHANGE = 128  # f32 slots per cluster exchange round (>= 4 warps x 2 (NB + 1) dots; one per thread)
 SMEM_LIMIT = 227 * 1024  # sm_90: the most dynamic shared memory one CTA may opt in to
 
 f32, bf16 = jnp.float32, jnp.bfloat16
@@ -77,7 +81,7 @@ def _cluster_ptx(ptx: str):
     emit()
 
 
-def _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, reps, ring, split):
+def _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, reps, ring, split, batch=1):
     """The kernel body and its scratch. `split` CTAs (a cluster) share a token's row of H
     columns; with split > 1 every row of the token stays resident in shared memory and the row
     reductions are combined across the cluster through distributed shared memory."""
@@ -85,6 +89,7 @@ def _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, reps, ring, split):
     rows = _rows(R, NB, has_delta)
     ring = len(rows) if split > 1 else min(ring, len(rows))
     per_group = -(-R // groups)
+    layout = plgpu.Layout.WG_STRIDED((C, LANES), vec_size=4)  # how Mosaic loads a [C, 256] bf16 row
 
     def body(mailbox, prefix, blocks, norm, query, out_norm, *refs):
         # mailbox [R, T, split, C, 256], prefix [T, split, C, 256] (aliased Ref),
@@ -106,14 +111,39 @@ def _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, reps, ring, split):
 
         for j, w in enumerate((norm, query, out_norm)):
             plgpu.copy_gmem_to_smem(w.at[c], wts.at[j], wbar.at[j])
-        for i in range(ring):
-            plgpu.copy_gmem_to_smem(source(i), slots.at[i], bars.at[i])
+        if batch > 1:  # resident rows: `batch` mailbox rows per copy, all blocks in one
+            for g in range(0, R, batch):
+                n = min(batch, R - g)
+                plgpu.copy_gmem_to_smem(mailbox.at[pl.ds(g, n), t, c], slots.at[pl.ds(g, n)], bars.at[g])
+            if has_delta:
+                plgpu.copy_gmem_to_smem(prefix.at[t, c], slots.at[R], bars.at[R])
+            if NB:
+                plgpu.copy_gmem_to_smem(blocks.at[t, :, c], slots.at[pl.ds(R + has_delta, NB)], bars.at[R + has_delta])
+        else:
+            for i in range(ring):
+                plgpu.copy_gmem_to_smem(source(i), slots.at[i], bars.at[i])
+
+        def arrival(i):  # the barrier that row i's copy completes
+            if batch == 1:
+                return i % ring
+            return i - i % batch if i < R else (R if i == R and has_delta else R + has_delta)
+
+        waited = set()  # batched copies: a barrier completes once; a second wait would hang
+
+        def wait_for(i):
+            if batch > 1 and arrival(i) in waited:
+                return
+            waited.add(arrival(i))
+            plgpu.barrier_wait(bars.at[arrival(i)])
 
         def take(i):  # [C, 256] f32 of row i; refills its slot with row i + ring
             slot = i % ring
-            plgpu.barrier_wait(bars.at[slot])
+            wait_for(i)
             x = slots[slot].astype(f32)
             if i + ring < len(rows):
+                # every thread's read of the slot is done (and ordered before the async proxy's
+                # write) before the one issuing thread refills it
+                plgpu.commit_smem()
                 plgpu.copy_gmem_to_smem(source(i + ring), slots.at[slot], bars.at[slot])
             return x
 
@@ -162,32 +192,30 @@ def _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, reps, ring, split):
         else:  # all sources resident: one cluster exchange for the logits, one for y.y
             exchange = exchange_refs
 
-            def combine(values, round_):  # cluster-wide sums, added in CTA order on every CTA
+            def combine(pairs, round_):  # cluster-wide dots a.b, added in a fixed order on every CTA
                 mine, total = exchange[2 * round_], exchange[2 * round_ + 1]  # [128] f32 each
-                for k, v in enumerate(values):
-                    mine[k] = v
+                warp_dots.warp_dots(pairs, mine, layout)  # mine[k * 4 + w]: warp w's part of dot k
                 _cluster_ptx("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;")
                 acc = plgpu.cluster_ref(mine, {"c": 0})[...]
                 for peer in range(1, split):
                     acc = acc + plgpu.cluster_ref(mine, {"c": peer})[...]
                 total[...] = acc
-                return [total[k] for k in range(len(values))]
+                W = warp_dots.WARPS
+                return [(total[W * k] + total[W * k + 1]) + (total[W * k + 2] + total[W * k + 3])
+                        for k in range(len(pairs))]
 
             block_rows = list(range(i, i + NB))
             sources = [lambda: p] + [lambda r=r: slots[r].astype(f32) for r in block_rows]
             for r in block_rows:
-                plgpu.barrier_wait(bars.at[r])
-            parts = []
-            for s in sources:
-                x = s()
-                parts += [jnp.sum(x * w), jnp.sum(x * x)]
-            sums = combine(parts, 0)
+                wait_for(r)
+            xs = [s() for s in sources]
+            sums = combine([pair for x in xs for pair in ((x, w), (x, x))], 0)
             logits = [sums[2 * j] * lax.rsqrt(sums[2 * j + 1] / H + eps) for j in range(NB + 1)]
             m = functools.reduce(jnp.maximum, logits)
             e = [jnp.exp(l - m) for l in logits]
             inv_den = 1.0 / functools.reduce(jnp.add, e)
             y = functools.reduce(jnp.add, [s() * (ej * inv_den) for s, ej in zip(sources, e)])
-            (yy,) = combine([jnp.sum(y * y)], 1)
+            (yy,) = combine([(y, y)], 1)
             _cluster_ptx("barrier.cluster.arrive.relaxed.aligned;")  # done reading peers' shared memory
         out = y * lax.rsqrt(yy / H + out_eps) * wts[2].astype(f32)
         o16 = out.astype(bf16)  # ROUND: the output is bf16
@@ -227,23 +255,31 @@ def resident_smem_bytes(rows: int, H: int, split: int) -> int:
 def choose_split(T: int, H: int, interpret: bool, rows: int = 25) -> dict:
     """The work split per token for T tokens of `rows` streamed rows each (R + has_delta + NB),
     chosen by measurement on the H200 (benchmarks/pallas_smoke.py --profile, kernel us per
-    call; benchmarks/results/logs/2026-11-30-run4-pallas_split.txt and run6-pallas_split.txt):
+    call; benchmarks/results/logs/2026-11-30-run{4,6}-pallas_split.txt, run8-pallas_sweep.txt).
+    The cluster rows are the current kernel (warp_dots, one exchange per round); the one-CTA rows
+    were measured before, when the cluster paths were 1.3x slower than now:
 
-      T        1     8     16    32    48    64    128   256   512
-      split=7  6.1   6.6   7.3   8.7   -     17.0  -     -     88.8  (cluster of 7 CTAs, rows resident)
-      split=2  7.5   8.9   -     10.5  11.9  13.1  24.8  43.1  -     (cluster of 2 CTAs, rows resident)
-      ring=4   11.2  12.2  13.0  13.7  14.2  14.8  17.9  35.6  63.0  (one CTA per token)
-      ring=2   11.4  14.4  15.4  16.0  16.4  17.0  19.3  28.4  56.9  (one CTA per token, 2 CTAs/SM)
+      T                 1     8     16    32    48    64    128   256   512
+      split=7 batch=16  4.3   5.2   -     7.6   -     14.1  -     -     -     (cluster of 7 CTAs)
+      split=7 batch=1   5.5   6.0   -     -     -     -     -     -     -
+      split=2 batch=1   8.0   9.0   -     10.6  -     12.2  24.8  43.1  -     (cluster of 2 CTAs)
+      split=2 batch=4   -     -     -     -     -     12.1  -     -     -     (noise: kept 1)
+      split=2 batch=16  -     -     -     -     -     13.4  -     -     -
+      ring=4            11.2  12.2  13.0  13.7  14.2  14.8  17.9  35.6  63.0  (one CTA per token)
+      ring=2            11.4  14.4  15.4  16.0  16.4  17.0  19.3  28.4  54.0  (one CTA per token, 2 CTAs/SM)
 
-    and ring=2 at T=4096: 392 us. A cluster split is taken only where its resident rows fit in
-    shared memory. Interpret mode has no cluster shared memory: one CTA per token there.
+    and ring=2 at T=4096: 392-396 us. `batch`: mailbox rows per TMA copy with the rows resident
+    (one copy is quicker to issue and wait for at small T; at T=64 the 2-split streams 7 KiB rows
+    and per-row copies let the rank sum start before the last row lands). A cluster split is
+    taken only where its resident rows fit in shared memory. Interpret mode has no cluster
+    shared memory: one CTA per token there.
     """
     def fits(split):
         # 8 KiB of slack for the alignment Mosaic gives each scratch buffer
         return (H // LANES) % split == 0 and resident_smem_bytes(rows, H, split) <= SMEM_LIMIT - 8 * 1024
 
     if not interpret and T <= SPLIT_MAX_T and fits(SPLIT):
-        return dict(ring=RING, split=SPLIT)
+        return dict(ring=RING, split=SPLIT, batch=MAILBOX_BATCH)
     if not interpret and T <= PAIR_MAX_T and fits(PAIR):
         return dict(ring=RING, split=PAIR)
     return dict(ring=RING if T <= RING_MAX_T else 2, split=1)
@@ -272,7 +308,8 @@ def consumer(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "out_eps", "has_delta", "groups", "xmoe_replicas", "ring", "split"))
+@functools.partial(jax.jit, static_argnames=("eps", "out_eps", "has_delta", "groups", "xmoe_replicas", "ring", "split",
+                                             "batch"))
 def consumer_with(
     mailbox,  # [R, T, H] bf16
     prefix,  # [T, H] bf16
@@ -288,18 +325,23 @@ def consumer_with(
     xmoe_replicas: int,
     ring: int,
     split: int,
+    batch: int = 1,
 ) -> ConsumerResult:
     """The kernel with explicit tuning knobs: `split` CTAs per token (a cluster sharing the
-    row), `ring` shared-memory row slots per CTA (split == 1; with split > 1 rows are resident)."""
+    row), `ring` shared-memory row slots per CTA (split == 1; with split > 1 rows are resident),
+    `batch` mailbox rows per TMA copy (split > 1; blocks then come in one copy too)."""
     R, T, H = mailbox.shape
     NB = blocks.shape[1]
     if (H // LANES) % split:
         raise ValueError(f"split: expected a divisor of H/{LANES} = {H // LANES}, got {split}")
+    if batch < 1 or (batch > 1 and split == 1):
+        raise ValueError(f"batch: expected 1, or > 1 with a cluster split (rows resident), got {batch} with split={split}")
     C = H // LANES // split
     interpret = _interpret()
     if split > 1 and interpret:
         raise ValueError(f"split: Mosaic GPU interpret mode has no cluster shared memory; expected split=1, got {split}")
-    body, scratch = _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, xmoe_replicas, ring, split)
+    body, scratch = _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, xmoe_replicas, ring, split,
+                                 batch=batch)
     row = (split, C, LANES)  # one row of H, as the CTAs of a token see it
     out_type = [jax.ShapeDtypeStruct((T, *row), bf16)]
     if xmoe_replicas:
