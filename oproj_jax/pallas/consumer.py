@@ -81,6 +81,15 @@ def _cluster_ptx(ptx: str):
     emit()
 
 
+def _row_layout(C):
+    """The layout Mosaic GPU gives a [C, 256] bf16 row loaded from shared memory (and the f32
+    arrays computed from it): warpgroup-strided, the widest vector of <= 64 bits that tiles it."""
+    size, vec = C * LANES, 4
+    while size % (vec * 128):
+        vec //= 2
+    return plgpu.Layout.WG_STRIDED((C, LANES), vec_size=vec)
+
+
 def _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, reps, ring, split, batch=1):
     """The kernel body and its scratch. `split` CTAs (a cluster) share a token's row of H
     columns; with split > 1 every row of the token stays resident in shared memory and the row
@@ -89,7 +98,7 @@ def _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, reps, ring, split, b
     rows = _rows(R, NB, has_delta)
     ring = len(rows) if split > 1 else min(ring, len(rows))
     per_group = -(-R // groups)
-    layout = plgpu.Layout.WG_STRIDED((C, LANES), vec_size=4)  # how Mosaic loads a [C, 256] bf16 row
+    layout = _row_layout(C)
 
     def body(mailbox, prefix, blocks, norm, query, out_norm, *refs):
         # mailbox [R, T, split, C, 256], prefix [T, split, C, 256] (aliased Ref),
@@ -265,6 +274,7 @@ def choose_split(T: int, H: int, interpret: bool, rows: int = 25) -> dict:
       split=2 batch=1   8.0   9.0   -     10.6  -     12.2  24.8  43.1  -     (cluster of 2 CTAs)
       split=2 batch=4   -     -     -     -     -     12.1  -     -     -     (noise: kept 1)
       split=2 batch=16  -     -     -     -     -     13.4  -     -     -
+      split=4 batch=1   -     -     -     9.0   -     15.5  -     -     -     (cluster of 4, 2 CTAs/SM)
       ring=4            11.2  12.2  13.0  13.7  14.2  14.8  17.9  35.6  63.0  (one CTA per token)
       ring=2            11.4  14.4  15.4  16.0  16.4  17.0  19.3  28.4  54.0  (one CTA per token, 2 CTAs/SM)
 
