@@ -207,3 +207,15 @@ def test_warp_dots_refuses_an_exchange_buffer_too_small():
     small = types.SimpleNamespace(shape=(pallas_consumer.EXCHANGE,))
     with pytest.raises(ValueError, match="out: needs 160 f32 slots for 40 dots, has 128"):
         warp_dots.warp_dots([(None, None)] * 40, small, layout=None)
+
+
+@pytest.mark.parametrize("C", [1, 2, 4, 7, 14, 28])
+def test_row_layout_is_the_one_mosaic_loads(C):
+    # warp_dots declares the layout of the rows it gets; Mosaic GPU's own rule for a [C, 256]
+    # bf16 array decides what they have (a mismatch fails to compile on the GPU)
+    from jax.experimental.mosaic import gpu as mgpu
+    from jaxlib.mlir import ir
+
+    with ir.Context(), ir.Location.unknown():
+        mosaic = mgpu.WGStridedFragLayout.from_shaped_type(ir.VectorType.get((C, 256), ir.BF16Type.get()))
+    assert pallas_consumer._row_layout(C).to_mgpu() == mosaic
