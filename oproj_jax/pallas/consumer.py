@@ -42,6 +42,7 @@ PAIR_MAX_T = 64  # ... up to this many tokens (measured 1.1-1.2x faster than one
 MAILBOX_BATCH = 16  # split=7: mailbox rows per copy (one copy for R <= 16; 1.2x faster at T <= 32)
 RING_MAX_T = 64  # split == 1: ring=RING up to this many tokens, 2 above (two CTAs fit an SM)
 EXCHANGE = 128  # f32 slots per cluster exchange round (>= 4 warps x 2 (NB + 1) dots; one per thread)
+PROFILE_RANGES = 32  # in-kernel profiler: named phases (ranges) recorded per warpgroup
 SMEM_LIMIT = 227 * 1024  # sm_90: the most dynamic shared memory one CTA may opt in to
 
 f32, bf16 = jnp.float32, jnp.bfloat16
@@ -118,19 +119,20 @@ def _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, reps, ring, split, b
                 return prefix.at[t, c]
             return blocks.at[t, k, c]
 
-        for j, w in enumerate((norm, query, out_norm)):
-            plgpu.copy_gmem_to_smem(w.at[c], wts.at[j], wbar.at[j])
-        if batch > 1:  # resident rows: `batch` mailbox rows per copy, all blocks in one
-            for g in range(0, R, batch):
-                n = min(batch, R - g)
-                plgpu.copy_gmem_to_smem(mailbox.at[pl.ds(g, n), t, c], slots.at[pl.ds(g, n)], bars.at[g])
-            if has_delta:
-                plgpu.copy_gmem_to_smem(prefix.at[t, c], slots.at[R], bars.at[R])
-            if NB:
-                plgpu.copy_gmem_to_smem(blocks.at[t, :, c], slots.at[pl.ds(R + has_delta, NB)], bars.at[R + has_delta])
-        else:
-            for i in range(ring):
-                plgpu.copy_gmem_to_smem(source(i), slots.at[i], bars.at[i])
+        with jax.named_scope("issue_copies"):
+            for j, w in enumerate((norm, query, out_norm)):
+                plgpu.copy_gmem_to_smem(w.at[c], wts.at[j], wbar.at[j])
+            if batch > 1:  # resident rows: `batch` mailbox rows per copy, all blocks in one
+                for g in range(0, R, batch):
+                    n = min(batch, R - g)
+                    plgpu.copy_gmem_to_smem(mailbox.at[pl.ds(g, n), t, c], slots.at[pl.ds(g, n)], bars.at[g])
+                if has_delta:
+                    plgpu.copy_gmem_to_smem(prefix.at[t, c], slots.at[R], bars.at[R])
+                if NB:
+                    plgpu.copy_gmem_to_smem(blocks.at[t, :, c], slots.at[pl.ds(R + has_delta, NB)], bars.at[R + has_delta])
+            else:
+                for i in range(ring):
+                    plgpu.copy_gmem_to_smem(source(i), slots.at[i], bars.at[i])
 
         def arrival(i):  # the barrier that row i's copy completes
             if batch == 1:
@@ -158,46 +160,50 @@ def _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, reps, ring, split, b
 
         # Rank sum in the seed's order; -0.0 counts as +0.0 (the first term of every group is
         # the only place a -0.0 can survive an f32 sum, so it is cleaned there).
-        total = None
-        i = 0
-        for first in range(0, R, per_group):
-            x = take(i)
-            part = jnp.where(x == 0.0, 0.0, x)
-            i += 1
-            for _ in range(first + 1, min(first + per_group, R)):
-                part = part + take(i)
+        with jax.named_scope("rank_sum"):
+            total = None
+            i = 0
+            for first in range(0, R, per_group):
+                x = take(i)
+                part = jnp.where(x == 0.0, 0.0, x)
                 i += 1
-            total = part if total is None else total + part
-        attn = total.astype(bf16).astype(f32)  # ROUND: the reduced partials are bf16
-        if has_delta:
-            attn = take(i) + attn
-            i += 1
-        p16 = attn.astype(bf16)  # ROUND: the prefix is stored in bf16
-        pbuf[...] = p16
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(pbuf, prefix.at[t, c])
+                for _ in range(first + 1, min(first + per_group, R)):
+                    part = part + take(i)
+                    i += 1
+                total = part if total is None else total + part
+            attn = total.astype(bf16).astype(f32)  # ROUND: the reduced partials are bf16
+            if has_delta:
+                attn = take(i) + attn
+                i += 1
+        with jax.named_scope("prefix_store"):
+            p16 = attn.astype(bf16)  # ROUND: the prefix is stored in bf16
+            pbuf[...] = p16
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(pbuf, prefix.at[t, c])
 
-        for j in range(3):
-            plgpu.barrier_wait(wbar.at[j])
-        w = wts[0].astype(f32) * wts[1].astype(f32)
-        p = p16.astype(f32)
+        with jax.named_scope("weights"):
+            for j in range(3):
+                plgpu.barrier_wait(wbar.at[j])
+            w = wts[0].astype(f32) * wts[1].astype(f32)
+            p = p16.astype(f32)
 
         if split == 1:  # online softmax over the sources as they stream past
-            def logit(s):
-                return jnp.sum(s * w) * lax.rsqrt(jnp.sum(s * s) / H + eps)
+            with jax.named_scope("online_softmax"):
+                def logit(s):
+                    return jnp.sum(s * w) * lax.rsqrt(jnp.sum(s * s) / H + eps)
 
-            m, den, mix = logit(p), jnp.float32(1.0), p
-            for _ in range(NB):
-                b = take(i)
-                i += 1
-                lb = logit(b)
-                m_new = jnp.maximum(m, lb)
-                scale, e = jnp.exp(m - m_new), jnp.exp(lb - m_new)
-                den = den * scale + e
-                mix = mix * scale + b * e
-                m = m_new
-            y = mix * (1.0 / den)
-            yy = jnp.sum(y * y)
+                m, den, mix = logit(p), jnp.float32(1.0), p
+                for _ in range(NB):
+                    b = take(i)
+                    i += 1
+                    lb = logit(b)
+                    m_new = jnp.maximum(m, lb)
+                    scale, e = jnp.exp(m - m_new), jnp.exp(lb - m_new)
+                    den = den * scale + e
+                    mix = mix * scale + b * e
+                    m = m_new
+                y = mix * (1.0 / den)
+                yy = jnp.sum(y * y)
         else:  # all sources resident: one cluster exchange for the logits, one for y.y
             exchange = exchange_refs
 
@@ -213,33 +219,37 @@ def _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, reps, ring, split, b
                 return [(total[W * k] + total[W * k + 1]) + (total[W * k + 2] + total[W * k + 3])
                         for k in range(len(pairs))]
 
-            block_rows = list(range(i, i + NB))
-            sources = [lambda: p] + [lambda r=r: slots[r].astype(f32) for r in block_rows]
-            for r in block_rows:
-                wait_for(r)
-            xs = [s() for s in sources]
-            sums = combine([pair for x in xs for pair in ((x, w), (x, x))], 0)
-            logits = [sums[2 * j] * lax.rsqrt(sums[2 * j + 1] / H + eps) for j in range(NB + 1)]
-            m = functools.reduce(jnp.maximum, logits)
-            e = [jnp.exp(l - m) for l in logits]
-            inv_den = 1.0 / functools.reduce(jnp.add, e)
-            y = functools.reduce(jnp.add, [s() * (ej * inv_den) for s, ej in zip(sources, e)])
-            (yy,) = combine([(y, y)], 1)
-            _cluster_ptx("barrier.cluster.arrive.relaxed.aligned;")  # done reading peers' shared memory
-        out = y * lax.rsqrt(yy / H + out_eps) * wts[2].astype(f32)
-        o16 = out.astype(bf16)  # ROUND: the output is bf16
-        obuf[...] = o16
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(obuf, output.at[t, c])
-        if reps:
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the prefix store has read pbuf
-            pbuf[...] = jnp.where(o16 == 0.0, jnp.zeros_like(o16), o16)  # -0.0 -> +0.0
+            with jax.named_scope("dots_exchange"):
+                block_rows = list(range(i, i + NB))
+                sources = [lambda: p] + [lambda r=r: slots[r].astype(f32) for r in block_rows]
+                for r in block_rows:
+                    wait_for(r)
+                xs = [s() for s in sources]
+                sums = combine([pair for x in xs for pair in ((x, w), (x, x))], 0)
+            with jax.named_scope("softmax_mix"):
+                logits = [sums[2 * j] * lax.rsqrt(sums[2 * j + 1] / H + eps) for j in range(NB + 1)]
+                m = functools.reduce(jnp.maximum, logits)
+                e = [jnp.exp(l - m) for l in logits]
+                inv_den = 1.0 / functools.reduce(jnp.add, e)
+                y = functools.reduce(jnp.add, [s() * (ej * inv_den) for s, ej in zip(sources, e)])
+            with jax.named_scope("exchange_yy"):
+                (yy,) = combine([(y, y)], 1)
+                _cluster_ptx("barrier.cluster.arrive.relaxed.aligned;")  # done reading peers' shared memory
+        with jax.named_scope("output"):
+            out = y * lax.rsqrt(yy / H + out_eps) * wts[2].astype(f32)
+            o16 = out.astype(bf16)  # ROUND: the output is bf16
+            obuf[...] = o16
             plgpu.commit_smem()
-            for k in range(reps):
-                plgpu.copy_smem_to_gmem(pbuf, xmoe.at[k, t, c])
-        if split > 1:
-            _cluster_ptx("barrier.cluster.wait.aligned;")  # no peer reads this CTA's memory any more
-        plgpu.wait_smem_to_gmem(0)
+            plgpu.copy_smem_to_gmem(obuf, output.at[t, c])
+            if reps:
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the prefix store has read pbuf
+                pbuf[...] = jnp.where(o16 == 0.0, jnp.zeros_like(o16), o16)  # -0.0 -> +0.0
+                plgpu.commit_smem()
+                for k in range(reps):
+                    plgpu.copy_smem_to_gmem(pbuf, xmoe.at[k, t, c])
+            if split > 1:
+                _cluster_ptx("barrier.cluster.wait.aligned;")  # no peer reads this CTA's memory any more
+            plgpu.wait_smem_to_gmem(0)
 
     scratch = [
         plgpu.SMEM((ring, C, LANES), bf16),
@@ -319,7 +329,7 @@ def consumer(
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "out_eps", "has_delta", "groups", "xmoe_replicas", "ring", "split",
-                                             "batch"))
+                                             "batch", "profile_dir"))
 def consumer_with(
     mailbox,  # [R, T, H] bf16
     prefix,  # [T, H] bf16
@@ -336,10 +346,13 @@ def consumer_with(
     ring: int,
     split: int,
     batch: int = 1,
+    profile_dir: str | None = None,
 ) -> ConsumerResult:
     """The kernel with explicit tuning knobs: `split` CTAs per token (a cluster sharing the
     row), `ring` shared-memory row slots per CTA (split == 1; with split > 1 rows are resident),
-    `batch` mailbox rows per TMA copy (split > 1; blocks then come in one copy too)."""
+    `batch` mailbox rows per TMA copy (split > 1; blocks then come in one copy too).
+    `profile_dir`: Mosaic GPU's in-kernel profiler writes a trace of the kernel's named phases
+    there (GPU only; benchmarks/pallas_phases.py reads it)."""
     R, T, H = mailbox.shape
     NB = blocks.shape[1]
     if (H // LANES) % split:
@@ -348,6 +361,8 @@ def consumer_with(
         raise ValueError(f"batch: expected 1, or > 1 with a cluster split (rows resident), got {batch} with split={split}")
     C = H // LANES // split
     interpret = _interpret()
+    if profile_dir and interpret:
+        raise ValueError("profile_dir: Mosaic GPU's in-kernel profiler runs on the GPU only, not in interpret mode")
     if split > 1 and interpret:
         raise ValueError(f"split: Mosaic GPU interpret mode has no cluster shared memory; expected split=1, got {split}")
     body, scratch = _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, xmoe_replicas, ring, split,
@@ -364,6 +379,7 @@ def consumer_with(
         grid=(T,),
         grid_names=("t",),
         kernel_name=KERNEL_NAME,
+        compiler_params=plgpu.CompilerParams(profile_space=PROFILE_RANGES, profile_dir=profile_dir) if profile_dir else None,
         interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,  # poisoned outputs
         **cluster,
     )
