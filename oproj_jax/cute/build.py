@@ -82,8 +82,9 @@ def ptx_params(ptx: str) -> list[str]:
     return re.findall(r"\.param\s+(\.\w+)", signature)
 
 
-def compile_variant(key: dict, build: M.Build = M.GROUPED) -> dict:
-    """Compile one variant; returns {"key", "entry", "dynamic_smem_bytes", ..., "cubin_bytes"}."""
+def compile_variant(key: dict, build: M.Build = M.GROUPED, trace: bool = False) -> dict:
+    """Compile one variant; returns {"key", "entry", "dynamic_smem_bytes", ..., "cubin_bytes"}.
+    `trace`: the phase-timer build (kernel.TRACE_MARKS; benchmarks/cute_phases.py), never shipped."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32, Uint32
     from cutlass.cute.runtime import make_fake_stream, make_ptr
@@ -93,7 +94,7 @@ def compile_variant(key: dict, build: M.Build = M.GROUPED) -> dict:
     k = M.normalize_key(key)
     kernel = OprojConsumer(k["R"], k["NB"], has_delta=k["has_delta"], groups=k["groups"],
                            xmoe_replicas=k["xmoe_replicas"], twoshot=k["twoshot"], min_ctas=build.min_ctas,
-                           fold=build.fold)
+                           fold=build.fold, trace=trace)
 
     def ptr(dtype, align):  # a fake device address: only the type reaches the kernel
         return make_ptr(dtype, 16, cute.AddressSpace.gmem, assumed_align=align)

@@ -55,6 +55,11 @@ THREADS = 128  # per group; one group covers 1/7 of the row
 VEC = 8  # bf16 elements per thread (16 bytes)
 ROW_BYTES = THREADS * VEC * 2  # one CTA's slice of one [H] row in smem
 STATUS_MAILBOX, STATUS_RECV = 1, 2
+# trace builds (trace=True, never in the manifest): `status` points at [T, CTAS, TRACE_SLOTS] u64
+# timers: slots 0..13 %clock64 at the phase marks of `body`, 14/15 %globaltimer at entry/exit
+TRACE_SLOTS = 16
+TRACE_MARKS = ("entry", "pdl_wait", "loads_issued", "cluster_sync", "smem_rows", "stats_sent", "rank_sum",
+               "prefix_stored", "stats_received", "logits", "dots_sent", "dots_received", "totals", "stored")
 TWOSHOT_CHUNK = 8  # recv slots polled at once by a twoshot reducer thread
 
 
@@ -82,7 +87,7 @@ class OprojConsumer:
     """Static variant: R ranks, NB blocks, has_delta, groups, xmoe replicas, twoshot; H fixed."""
 
     def __init__(self, R: int, NB: int, *, has_delta: bool, groups: int, xmoe_replicas: int,
-                 twoshot: bool, H: int = 7168, min_ctas: int = 0, fold: bool = False):
+                 twoshot: bool, H: int = 7168, min_ctas: int = 0, fold: bool = False, trace: bool = False):
         if not 1 <= R <= 16:
             raise ValueError(f"R: expected 1 <= R <= 16, got {R}")
         if not 0 <= NB <= 8:
@@ -101,6 +106,7 @@ class OprojConsumer:
             raise ValueError(f"min_ctas: expected 0 (no bound) .. 2048 / threads per CTA, got {min_ctas}")
         self.min_ctas = min_ctas  # launch bound: resident CTAs per SM ptxas must allow (registers)
         self.fold = fold  # one 128-thread group does every polling group's work (see FOLDED)
+        self.trace = trace  # phase timers into `status` (TRACE_MARKS); off: no code at all
         slots = 1 if twoshot else R  # mailbox slots this kernel polls
         self.slots = slots
         self.S = _ceil_div(slots, groups)  # slots per polling group
@@ -170,6 +176,12 @@ class OprojConsumer:
             if width > 1:
                 idx = idx + ((lane >> shift) & 1) * (width // 2)
         return values[0], idx
+
+    def mark(self, status, token, rank, thread, name: str, clock: str = "%clock64", slot=None):
+        """Trace builds: thread 0 of the CTA stores a timer into its row of the trace buffer."""
+        if self.trace:
+            k = TRACE_MARKS.index(name) if slot is None else slot
+            P.stamp(status + ((Int64(token) * CTAS + rank) * TRACE_SLOTS + k) * 8, clock, thread)
 
     # ---- polling (dynamic loop) -----------------------------------------------------------
 
@@ -245,8 +257,11 @@ class OprojConsumer:
         allocator = cutlass.utils.SmemAllocator()
         smem = allocator.allocate(L.size, 128).toint()  # Int32 shared-window address
         bar_pre, bar_post = smem + L.bar, smem + L.bar + 8
+        self.mark(status, token, rank, thread, "entry", "%globaltimer", TRACE_SLOTS - 2)
+        self.mark(status, token, rank, thread, "entry")
         P.griddep_launch_dependents()
         P.griddep_wait()  # before the first global read: see the module docstring
+        self.mark(status, token, rank, thread, "pdl_wait")
 
         h = (rank * THREADS + t) * VEC
         row = Int64(token) * H + h  # element offset of this thread's fragment in a [T, H] row
@@ -280,6 +295,7 @@ class OprojConsumer:
                         words = P.ld_poll4(frag + (g * self.S + k) * slot_stride)
                         for j in cutlass.range_constexpr(4):
                             raw[4 * k + j] = words[j]
+        self.mark(status, token, rank, thread, "loads_issued")
         # the exchange barriers are set up while the loads are in flight (not before them)
         if thread == 0:
             # each exchange: one arrival here, one per value this CTA delivers to itself
@@ -295,12 +311,14 @@ class OprojConsumer:
         # every thread waits on the cluster barrier: ptxas lowers the wait to the cluster
         # barrier plus a CTA-wide bar.sync 0 (peers' mbarriers are initialized after it)
         P.cluster_wait()
+        self.mark(status, token, rank, thread, "cluster_sync")
 
         if group == 0:
             # -- block statistics: first exchange sent (its round trip overlaps the rank sum) --
             mix = [Float32(0.0)] * VEC
             maximum, exp_sum, qpart = Float32(0.0), Float32(0.0), Float32(0.0)
             P.cp_async_wait_all()  # each thread reads back only its own chunks: no barrier
+            self.mark(status, token, rank, thread, "smem_rows")
             if cutlass.const_expr(NB > 0):
                 nrm, qry = self.fragment(smem, 0, t), self.fragment(smem, 1, t)
                 weight = [P.mul_rn(a, b) for a, b in zip(nrm, qry)]
@@ -319,6 +337,7 @@ class OprojConsumer:
                         s = P.add_rn(s, P.lds_f32(smem + L.wpre + (w * 16 + t) * 4))
                     for peer in cutlass.range_constexpr(CTAS):
                         P.put_f32(smem + L.pre + (rank * 16 + t) * 4, s, bar_pre, peer, rank)
+                self.mark(status, token, rank, thread, "stats_sent")
 
             # -- rank sum: own slots, then the other groups' partial sums in group order ----
             if cutlass.const_expr(self.twoshot):
@@ -339,6 +358,7 @@ class OprojConsumer:
                             attn[4 * half + j] = P.add_rn(attn[4 * half + j], part[j])
             # a sum whose terms are all -0.0 is -0.0; published data (-0 -> +0) sums to +0.0
             attn = [P.add_rn(a, Float32(0.0)) for a in attn]
+            self.mark(status, token, rank, thread, "rank_sum")
             p = []
             if cutlass.const_expr(self.has_delta):
                 old = self.fragment(smem, 3, t)
@@ -348,6 +368,7 @@ class OprojConsumer:
                     lo, hi = P.unpack(P.pack(P.add_rn(old[2 * j], lo), P.add_rn(old[2 * j + 1], hi)))
                 p.extend((lo, hi))
             P.st4(prefix + row * 2, [P.pack(p[2 * j], p[2 * j + 1]) for j in range(4)])
+            self.mark(status, token, rank, thread, "prefix_stored")
             if spin_limit >= 0:
                 for k in cutlass.range_constexpr(first_slots):
                     P.rearm(frag + k * slot_stride)
@@ -358,6 +379,7 @@ class OprojConsumer:
                 weight = [P.mul_rn(a, b) for a, b in zip(nrm, qry)]
                 p_dots = [P.dot8(p, p), P.dot8(p, weight)]
                 P.mbar_wait_phase0(bar_pre)
+                self.mark(status, token, rank, thread, "stats_received")
                 if t < 2 * NB:
                     sums = [P.lds_f32(smem + L.pre + t * 4), P.lds_f32(smem + L.pre + (16 + t) * 4)]
                     for peer in cutlass.range_constexpr(2, CTAS):
@@ -365,6 +387,7 @@ class OprojConsumer:
                                                   P.lds_f32(smem + L.pre + (peer * 16 + t) * 4))
                     P.sts_f32(smem + L.blk + t * 4, P.add_rn(sums[0], sums[1]))
                 P.bar_sync(1, THREADS)
+                self.mark(status, token, rank, thread, "logits")
                 logits = []
                 for b in cutlass.range_constexpr(NB):
                     sq = P.lds_f32(smem + L.blk + b * 4)
@@ -391,7 +414,9 @@ class OprojConsumer:
             if (lane & spread) < CTAS:
                 P.put_f32(smem + L.post + ((rank * 4 + warp) * 4 + idx) * 4, value, bar_post,
                           lane & spread, rank)
+            self.mark(status, token, rank, thread, "dots_sent")
             P.mbar_wait_phase0(bar_post)
+            self.mark(status, token, rank, thread, "dots_received")
             if t < self.npost:
                 sums = []
                 for w in cutlass.range_constexpr(4):
@@ -403,6 +428,7 @@ class OprojConsumer:
                           P.add_rn(P.add_rn(sums[0], sums[1]), P.add_rn(sums[2], sums[3])))
             P.bar_sync(1, THREADS)
 
+            self.mark(status, token, rank, thread, "totals")
             # -- AttnRes (streaming form) and the output RMSNorm -----------------------------
             total = [P.lds_f32(smem + L.total + k * 4) for k in range(self.npost)]
             gamma = self.fragment(smem, 2, t)
@@ -424,6 +450,8 @@ class OprojConsumer:
             out = [P.mul_rn(y[j], gamma[j]) for j in range(VEC)]
             words = [P.pack(out[2 * j], out[2 * j + 1]) for j in range(4)]
             P.st4(output + row * 2, words)
+            self.mark(status, token, rank, thread, "stored")
+            self.mark(status, token, rank, thread, "stored", "%globaltimer", TRACE_SLOTS - 1)
             if cutlass.const_expr(self.reps > 0):
                 clean = [P.without_negative_zero(w) for w in words]
                 for rep in cutlass.range_constexpr(self.reps):

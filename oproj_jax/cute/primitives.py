@@ -198,6 +198,13 @@ def release_add(addr, value):
     asm("red.release.gpu.global.add.u32 [$0], $1;", (), ((Int64, addr), (Uint32, value)))
 
 
+def stamp(addr, clock: str, thread):
+    """Trace builds only: thread 0 stores the 64-bit timer `clock` (%clock64: this SM's cycles;
+    %globaltimer: ns, common to all SMs) at [addr]. Predicated in PTX: no branch in the kernel."""
+    asm("{ .reg .pred p; .reg .u64 t; setp.eq.u32 p, $1, 0; mov.u64 t, " + clock + "; @p st.global.u64 [$0], t; }",
+        (), ((Int64, addr), (Int32, thread)))
+
+
 def fence_acq_rel_gpu():
     asm("fence.acq_rel.gpu;")
 
