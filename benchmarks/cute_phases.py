@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import statistics
-import types
 
 KEY = dict(R=16, NB=8, has_delta=True, groups=4, xmoe_replicas=0, twoshot=False)
 
@@ -63,12 +62,11 @@ def sm_clock_ghz() -> float:
 def run(directory: str, tokens, launches: int) -> list[dict]:
     import torch
 
-    from oproj_jax.cute import driver_launch, kernel as K
+    from oproj_jax.cute import backend, driver_launch, kernel as K
 
     with open(os.path.join(directory, "trace.json")) as f:
         meta = json.load(f)
-    kernel = types.SimpleNamespace(cubin=os.path.join(directory, "trace.cubin"), entry=meta["entry"],
-                                   smem=meta["smem"], block=meta["block"])
+    kernel = backend._Kernel(os.path.join(directory, "trace.cubin"), meta["entry"], meta["smem"], meta["block"])
     launch = driver_launch.torch_launcher(kernel)
     ghz = sm_clock_ghz()  # the maximum SM clock: cycles -> ns (the timers count cycles)
     results = []

@@ -60,6 +60,7 @@ STATUS_MAILBOX, STATUS_RECV = 1, 2
 TRACE_SLOTS = 16
 TRACE_MARKS = ("entry", "pdl_wait", "loads_issued", "cluster_sync", "smem_rows", "stats_sent", "rank_sum",
                "prefix_stored", "stats_received", "logits", "dots_sent", "dots_received", "totals", "stored")
+TRACE_GLOBAL = {"entry": TRACE_SLOTS - 2, "stored": TRACE_SLOTS - 1}  # marks that also store %globaltimer
 TWOSHOT_CHUNK = 8  # recv slots polled at once by a twoshot reducer thread
 
 
@@ -177,11 +178,19 @@ class OprojConsumer:
                 idx = idx + ((lane >> shift) & 1) * (width // 2)
         return values[0], idx
 
-    def mark(self, status, token, rank, thread, name: str, clock: str = "%clock64", slot=None):
-        """Trace builds: thread 0 of the CTA stores a timer into its row of the trace buffer."""
-        if self.trace:
-            k = TRACE_MARKS.index(name) if slot is None else slot
-            P.stamp(status + ((Int64(token) * CTAS + rank) * TRACE_SLOTS + k) * 8, clock, thread)
+    def marker(self, status, token, rank, thread):
+        """mark(name): in trace builds thread 0 of the CTA stores its timers for the phase mark
+        `name` into the CTA's row of the trace buffer; otherwise nothing (no code at all)."""
+        if not self.trace:
+            return lambda name: None
+        row = status + (Int64(token) * CTAS + rank) * (TRACE_SLOTS * 8)
+
+        def mark(name: str):
+            if name in TRACE_GLOBAL:
+                P.stamp(row + TRACE_GLOBAL[name] * 8, "%globaltimer", thread)
+            P.stamp(row + TRACE_MARKS.index(name) * 8, "%clock64", thread)
+
+        return mark
 
     # ---- polling (dynamic loop) -----------------------------------------------------------
 
@@ -257,11 +266,11 @@ class OprojConsumer:
         allocator = cutlass.utils.SmemAllocator()
         smem = allocator.allocate(L.size, 128).toint()  # Int32 shared-window address
         bar_pre, bar_post = smem + L.bar, smem + L.bar + 8
-        self.mark(status, token, rank, thread, "entry", "%globaltimer", TRACE_SLOTS - 2)
-        self.mark(status, token, rank, thread, "entry")
+        mark = self.marker(status, token, rank, thread)
+        mark("entry")
         P.griddep_launch_dependents()
         P.griddep_wait()  # before the first global read: see the module docstring
-        self.mark(status, token, rank, thread, "pdl_wait")
+        mark("pdl_wait")
 
         h = (rank * THREADS + t) * VEC
         row = Int64(token) * H + h  # element offset of this thread's fragment in a [T, H] row
@@ -295,7 +304,7 @@ class OprojConsumer:
                         words = P.ld_poll4(frag + (g * self.S + k) * slot_stride)
                         for j in cutlass.range_constexpr(4):
                             raw[4 * k + j] = words[j]
-        self.mark(status, token, rank, thread, "loads_issued")
+        mark("loads_issued")
         # the exchange barriers are set up while the loads are in flight (not before them)
         if thread == 0:
             # each exchange: one arrival here, one per value this CTA delivers to itself
@@ -311,14 +320,14 @@ class OprojConsumer:
         # every thread waits on the cluster barrier: ptxas lowers the wait to the cluster
         # barrier plus a CTA-wide bar.sync 0 (peers' mbarriers are initialized after it)
         P.cluster_wait()
-        self.mark(status, token, rank, thread, "cluster_sync")
+        mark("cluster_sync")
 
         if group == 0:
             # -- block statistics: first exchange sent (its round trip overlaps the rank sum) --
             mix = [Float32(0.0)] * VEC
             maximum, exp_sum, qpart = Float32(0.0), Float32(0.0), Float32(0.0)
             P.cp_async_wait_all()  # each thread reads back only its own chunks: no barrier
-            self.mark(status, token, rank, thread, "smem_rows")
+            mark("smem_rows")
             if cutlass.const_expr(NB > 0):
                 nrm, qry = self.fragment(smem, 0, t), self.fragment(smem, 1, t)
                 weight = [P.mul_rn(a, b) for a, b in zip(nrm, qry)]
@@ -337,7 +346,7 @@ class OprojConsumer:
                         s = P.add_rn(s, P.lds_f32(smem + L.wpre + (w * 16 + t) * 4))
                     for peer in cutlass.range_constexpr(CTAS):
                         P.put_f32(smem + L.pre + (rank * 16 + t) * 4, s, bar_pre, peer, rank)
-                self.mark(status, token, rank, thread, "stats_sent")
+                mark("stats_sent")
 
             # -- rank sum: own slots, then the other groups' partial sums in group order ----
             if cutlass.const_expr(self.twoshot):
@@ -358,7 +367,7 @@ class OprojConsumer:
                             attn[4 * half + j] = P.add_rn(attn[4 * half + j], part[j])
             # a sum whose terms are all -0.0 is -0.0; published data (-0 -> +0) sums to +0.0
             attn = [P.add_rn(a, Float32(0.0)) for a in attn]
-            self.mark(status, token, rank, thread, "rank_sum")
+            mark("rank_sum")
             p = []
             if cutlass.const_expr(self.has_delta):
                 old = self.fragment(smem, 3, t)
@@ -368,7 +377,7 @@ class OprojConsumer:
                     lo, hi = P.unpack(P.pack(P.add_rn(old[2 * j], lo), P.add_rn(old[2 * j + 1], hi)))
                 p.extend((lo, hi))
             P.st4(prefix + row * 2, [P.pack(p[2 * j], p[2 * j + 1]) for j in range(4)])
-            self.mark(status, token, rank, thread, "prefix_stored")
+            mark("prefix_stored")
             if spin_limit >= 0:
                 for k in cutlass.range_constexpr(first_slots):
                     P.rearm(frag + k * slot_stride)
@@ -379,7 +388,7 @@ class OprojConsumer:
                 weight = [P.mul_rn(a, b) for a, b in zip(nrm, qry)]
                 p_dots = [P.dot8(p, p), P.dot8(p, weight)]
                 P.mbar_wait_phase0(bar_pre)
-                self.mark(status, token, rank, thread, "stats_received")
+                mark("stats_received")
                 if t < 2 * NB:
                     sums = [P.lds_f32(smem + L.pre + t * 4), P.lds_f32(smem + L.pre + (16 + t) * 4)]
                     for peer in cutlass.range_constexpr(2, CTAS):
@@ -387,7 +396,7 @@ class OprojConsumer:
                                                   P.lds_f32(smem + L.pre + (peer * 16 + t) * 4))
                     P.sts_f32(smem + L.blk + t * 4, P.add_rn(sums[0], sums[1]))
                 P.bar_sync(1, THREADS)
-                self.mark(status, token, rank, thread, "logits")
+                mark("logits")
                 logits = []
                 for b in cutlass.range_constexpr(NB):
                     sq = P.lds_f32(smem + L.blk + b * 4)
@@ -414,9 +423,9 @@ class OprojConsumer:
             if (lane & spread) < CTAS:
                 P.put_f32(smem + L.post + ((rank * 4 + warp) * 4 + idx) * 4, value, bar_post,
                           lane & spread, rank)
-            self.mark(status, token, rank, thread, "dots_sent")
+            mark("dots_sent")
             P.mbar_wait_phase0(bar_post)
-            self.mark(status, token, rank, thread, "dots_received")
+            mark("dots_received")
             if t < self.npost:
                 sums = []
                 for w in cutlass.range_constexpr(4):
@@ -428,7 +437,7 @@ class OprojConsumer:
                           P.add_rn(P.add_rn(sums[0], sums[1]), P.add_rn(sums[2], sums[3])))
             P.bar_sync(1, THREADS)
 
-            self.mark(status, token, rank, thread, "totals")
+            mark("totals")
             # -- AttnRes (streaming form) and the output RMSNorm -----------------------------
             total = [P.lds_f32(smem + L.total + k * 4) for k in range(self.npost)]
             gamma = self.fragment(smem, 2, t)
@@ -450,8 +459,7 @@ class OprojConsumer:
             out = [P.mul_rn(y[j], gamma[j]) for j in range(VEC)]
             words = [P.pack(out[2 * j], out[2 * j + 1]) for j in range(4)]
             P.st4(output + row * 2, words)
-            self.mark(status, token, rank, thread, "stored")
-            self.mark(status, token, rank, thread, "stored", "%globaltimer", TRACE_SLOTS - 1)
+            mark("stored")
             if cutlass.const_expr(self.reps > 0):
                 clean = [P.without_negative_zero(w) for w in words]
                 for rep in cutlass.range_constexpr(self.reps):

@@ -12,8 +12,9 @@ of its slice stay resident in shared memory, and the row reductions (s.w and s.s
 sources, then y.y) are combined across the cluster in two exchange rounds through distributed
 shared memory, behind `barrier.cluster` (release/acquire). Each warp's partial dots go straight
 to shared memory (warp_dots.py: no warpgroup reduction per dot); every CTA adds the warps' and
-CTAs' partials in the same fixed order, so all CTAs of a token use identical scalars. choose_split picks the split by T
-(7 CTAs up to 32 tokens, 2 up to 64, where the resident rows fit in shared memory).
+CTAs' partials in the same fixed order, so all CTAs of a token use identical scalars.
+choose_split picks the split by T (7 CTAs up to 32 tokens, 2 up to 64, where the resident rows
+fit in shared memory).
 Interpret mode has no cluster memory, so the CPU runs split=1; the cluster path is checked on
 the GPU by benchmarks/pallas_smoke.py and, for T <= SPLIT_MAX_T, by every registry check.
 """
