@@ -25,13 +25,15 @@ KEY = dict(R=16, NB=8, has_delta=True, groups=4, xmoe_replicas=0, twoshot=False)
 
 
 def build(directory: str) -> None:
-    from oproj_jax.cute import build as cute_build, manifest as M
+    from oproj_jax.cute import build as cute_build, kernel as K, manifest as M
 
     os.makedirs(directory, exist_ok=True)
     info = cute_build.compile_variant(KEY, M.FOLDED, trace=True)
     with open(os.path.join(directory, "trace.cubin"), "wb") as f:
         f.write(info["cubin_bytes"])
-    meta = dict(entry=info["entry"], smem=info["dynamic_smem_bytes"], block=info["block"][0], key=KEY)
+    # the trace layout travels with the cubin: the GPU machine has no DSL to import kernel.py
+    meta = dict(entry=info["entry"], smem=info["dynamic_smem_bytes"], block=info["block"][0], key=KEY,
+                ctas=K.CTAS, slots=K.TRACE_SLOTS, marks=list(K.TRACE_MARKS))
     with open(os.path.join(directory, "trace.json"), "w") as f:
         json.dump(meta, f)
     print(f"trace cubin -> {directory}/trace.cubin ({len(info['cubin_bytes'])} bytes)")
@@ -62,10 +64,11 @@ def sm_clock_ghz() -> float:
 def run(directory: str, tokens, launches: int) -> list[dict]:
     import torch
 
-    from oproj_jax.cute import backend, driver_launch, kernel as K
+    from oproj_jax.cute import backend, driver_launch
 
     with open(os.path.join(directory, "trace.json")) as f:
         meta = json.load(f)
+    ctas, slots, marks = meta["ctas"], meta["slots"], meta["marks"]
     kernel = backend._Kernel(os.path.join(directory, "trace.cubin"), meta["entry"], meta["smem"], meta["block"])
     launch = driver_launch.torch_launcher(kernel)
     ghz = sm_clock_ghz()  # the maximum SM clock: cycles -> ns (the timers count cycles)
@@ -81,15 +84,15 @@ def run(directory: str, tokens, launches: int) -> list[dict]:
         output = torch.empty(T, H, device="cuda", dtype=torch.bfloat16)
         xmoe = torch.empty(1, T, H, device="cuda", dtype=torch.bfloat16)
         hints = torch.zeros(4, device="cuda", dtype=torch.int32)
-        trace = torch.zeros(T * K.CTAS * K.TRACE_SLOTS, device="cuda", dtype=torch.int64)
+        trace = torch.zeros(T * ctas * slots, device="cuda", dtype=torch.int64)
         for i in range(launches):
             mailbox, blocks = sets[i % n_sets]
             pointers = [mailbox.data_ptr(), prefix.data_ptr(), blocks.data_ptr(), *(w.data_ptr() for w in weights),
                         output.data_ptr(), xmoe.data_ptr(), hints.data_ptr(), trace.data_ptr()]
             launch(T, pointers, 1e-6, 1e-6, -1)  # spin_limit < 0: ready mode, as through XLA
         torch.cuda.synchronize()
-        stamps = trace.view(T * K.CTAS, K.TRACE_SLOTS).cpu().tolist()
-        table = phase_table(stamps, K.TRACE_MARKS, K.TRACE_SLOTS)
+        stamps = trace.view(T * ctas, slots).cpu().tolist()
+        table = phase_table(stamps, marks, slots)
         print(f"T={T}: CTA entry->stored median {table['cta_cycles']} cycles ({table['cta_cycles'] / ghz:.0f} ns at "
               f"{ghz:.2f} GHz), kernel span {table['span_ns']} ns (%globaltimer; last of {launches} launches, "
               f"{n_sets} input sets)")
