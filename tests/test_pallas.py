@@ -8,8 +8,8 @@ oproj_jax.reference (same summation order), the output with testing.output_f64 (
 
 from __future__ import annotations
 
+import json
 import re
-import types
 import unittest.mock
 
 import jax
@@ -130,6 +130,16 @@ def test_batched_copies_need_resident_rows():
                                           batch=batch)
 
 
+def test_split_must_be_a_cluster_the_kernel_takes():
+    # a cluster has at most 8 CTAs (14 and 28 divide H/256 = 28 but are refused), and a split
+    # must divide the row's 28 tiles of 256 columns (3 does not)
+    config = configs.Config(2, 1, 1)
+    x = _arrays(config)
+    for split in (3, 14, 28):
+        with pytest.raises(ValueError, match=rf"split: expected 1 or a cluster of \(2, 4, 7\) CTAs .*got {split}"):
+            pallas_consumer.consumer_with(*(x[k] for k in ARGS), **EPS, **config.options(), ring=4, split=split)
+
+
 # ---- CUDA lowering on this CPU machine (abstract H200): the named kernel, and the in-place prefix.
 
 
@@ -162,17 +172,18 @@ def test_lowers_for_cuda_with_the_named_kernel_and_aliased_prefix(split):
 
 
 def test_default_choice_lowers_for_cuda():
-    # Off the interpreter the measured choice: the 7-CTA cluster up to T=32, a 2-CTA cluster up to
-    # T=64, then one CTA per token with a 2-slot ring; the interpreter has no cluster memory.
-    choice = {T: pallas_consumer.choose_split(T, 7168, interpret=False) for T in (1, 32, 33, 64, 65, 4096)}
-    assert choice == {1: dict(ring=4, split=7, batch=16), 32: dict(ring=4, split=7, batch=16), 33: dict(ring=4, split=2),
-                      64: dict(ring=4, split=2), 65: dict(ring=2, split=1), 4096: dict(ring=2, split=1)}
+    # Off the interpreter the measured choice: the 7-CTA cluster up to T=64, then one CTA per
+    # token with a 2-slot ring; the interpreter has no cluster memory.
+    choice = {T: pallas_consumer.choose_split(T, 7168, interpret=False) for T in (1, 32, 64, 65, 4096)}
+    cluster = dict(ring=4, split=7, batch=16)
+    assert choice == {1: cluster, 32: cluster, 64: cluster, 65: dict(ring=2, split=1), 4096: dict(ring=2, split=1)}
     assert pallas_consumer.choose_split(1, 7168, interpret=True)["split"] == 1
-    # a cluster split keeps every row resident: taken only where they fit in shared memory
-    # (227 KiB): 25 rows of 7 KiB fit a CTA of the 2-split, 40 do not; 100 rows of 2 KiB fit the 7-split
-    assert pallas_consumer.choose_split(64, 7168, interpret=False, rows=40) == dict(ring=4, split=1)
-    assert pallas_consumer.choose_split(1, 7168, interpret=False, rows=100)["split"] == 7
-    assert pallas_consumer.choose_split(1, 7168, interpret=False, rows=120) == dict(ring=4, split=1)
+    # the cluster split needs the row's 256-column tiles to divide among 7 CTAs (7424 = 29 x 256)
+    # and every row of its slice resident: at H = 8 x 7168 the 17 mailbox and prefix rows of a
+    # CTA alone take 17 x 16 KiB > 227 KiB
+    assert pallas_consumer.choose_split(1, 7424, interpret=False) == dict(ring=4, split=1)
+    assert pallas_consumer.choose_split(1, 8 * 7168, interpret=False) == dict(ring=4, split=1)
+    assert pallas_consumer.choose_split(1, 8 * 7168, interpret=False, R=4, NB=2)["split"] == 7
     config = configs.Config(16, 1, 8)
 
     def fn(*args):
@@ -200,13 +211,31 @@ def test_parity_gpu(gpu, config, variant):
     _check(config, got, x)
 
 
-def test_warp_dots_refuses_an_exchange_buffer_too_small():
-    # 4 warps x 40 dots need 160 slots; the kernel's exchange buffers have 128
+def test_cluster_dots_refuses_what_its_buffers_cannot_hold():
+    # the warp sums take 4 slots per dot below part[128]; the pushes take one thread per (dot, CTA)
     from oproj_jax.pallas import warp_dots
 
-    small = types.SimpleNamespace(shape=(pallas_consumer.EXCHANGE,))
-    with pytest.raises(ValueError, match="out: needs 160 f32 slots for 40 dots, has 128"):
-        warp_dots.warp_dots([(None, None)] * 40, small, layout=None)
+    def dots(k, **where):
+        warp_dots.cluster_dots([(None, None)] * k, None, None, None, split=7, round_=0, **where)
+
+    with pytest.raises(ValueError, match="part: the warp sums of 40 dots from 0 need 160 slots, 128 are set aside"):
+        dots(40, base=0, col=0)
+    with pytest.raises(ValueError, match="part: the warp sums of 15 dots from 72 need 132 slots"):
+        dots(15, base=72, col=18)
+    with pytest.raises(ValueError, match="col: 2 dots from column 31 do not fit 32 columns"):
+        dots(2, base=0, col=31)
+    with pytest.raises(ValueError, match="pairs: 19 dots to 7 CTAs need 133 threads, have 128"):
+        dots(19, base=0, col=0)
+
+
+def test_cluster_split_fits_four_ctas_per_sm():
+    # R=16, NB=8, has_delta at H=7168, one CTA of the 7-split, every buffer 1 KiB aligned: the 17
+    # mailbox and prefix rows of 2 KiB (the staging rows and dot sums reuse them), the 8 block
+    # rows, norm and query, 1 KiB of pushed totals and mbarriers, and 28 barriers of 8 bytes.
+    # With the 1 KiB the SM reserves per CTA, 4 CTAs fit the H200's 228 KiB: T=64 in one wave.
+    need = (17 + 8 + 2) * 2048 + 1024 + 28 * 8
+    assert pallas_consumer.cluster_smem_bytes(16, 8, True, 7168, 7) == need
+    assert 4 * (need + 1024) <= 228 * 1024
 
 
 @pytest.mark.parametrize("C", [1, 2, 4, 7, 14, 28])
@@ -242,10 +271,21 @@ def test_phase_table_reads_a_mosaic_trace():
     assert "rank_sum" in phases.format_table(1, {}, table)
 
 
-def test_profiler_is_refused_in_interpret_mode():
+def test_profiler_runs_on_the_gpu_and_is_refused_in_interpret_mode(tmp_path):
+    # on a GPU the in-kernel profiler writes a trace of the named phases; interpret mode refuses it
     config = configs.Config(2, 1, 1)
     x = _arrays(config)
-    with pytest.raises(ValueError, match="profile_dir: Mosaic GPU's in-kernel profiler runs on the GPU only"):
-        pallas_consumer.consumer_with(*(x[k] for k in ARGS), **EPS, **config.options(), ring=4, split=1,
-                                      profile_dir="/tmp/unused")
+
+    def call():
+        return pallas_consumer.consumer_with(*(x[k] for k in ARGS), **EPS, **config.options(), ring=4, split=1,
+                                             profile_dir=str(tmp_path))
+
+    if gpu_platform_reason() is not None:
+        with pytest.raises(ValueError, match="profile_dir: Mosaic GPU's in-kernel profiler runs on the GPU only"):
+            call()
+        return
+    jax.block_until_ready(call())
+    [trace] = tmp_path.glob("*trace.json")
+    names = {event["name"] for event in json.loads(trace.read_text())["traceEvents"]}
+    assert {"rank_sum", "online_softmax", "output"} <= names, names
 

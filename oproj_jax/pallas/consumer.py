@@ -9,12 +9,13 @@ output and its -0-free replicas. Grid (T,): one CTA (one warpgroup) per token.
 
 With split > 1 a cluster of `split` CTAs shares a token (each owns H/split columns): all rows
 of its slice stay resident in shared memory, and the row reductions (s.w and s.s of the NB + 1
-sources, then y.y) are combined across the cluster in two exchange rounds through distributed
-shared memory, behind `barrier.cluster` (release/acquire). Each warp's partial dots go straight
-to shared memory (warp_dots.py: no warpgroup reduction per dot); every CTA adds the warps' and
-CTAs' partials in the same fixed order, so all CTAs of a token use identical scalars.
-choose_split picks the split by T (7 CTAs up to 32 tokens, 2 up to 64, where the resident rows
-fit in shared memory).
+sources, then y.y) are combined across the cluster in two rounds, each CTA pushing its totals
+into its peers' shared memory (warp_dots.py: st.async completing an mbarrier, no cluster
+barrier per round); every CTA adds the warps' and CTAs' sums in the same fixed order, so all
+CTAs of a token use identical scalars. The mailbox and prefix rows are dead once summed: the
+staging rows, out_norm and the local dot sums reuse their memory (a RefUnion), which keeps a
+CTA of the 7-split under 56 KiB, so 4 fit an SM and T=64 runs in one wave.
+choose_split picks the split by T (7 CTAs up to 64 tokens where the rows fit, then one CTA).
 Interpret mode has no cluster memory, so the CPU runs split=1; the cluster path is checked on
 the GPU by benchmarks/pallas_smoke.py and, for T <= SPLIT_MAX_T, by every registry check.
 """
@@ -27,7 +28,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from oproj_jax.api import ConsumerResult, Dims
@@ -37,14 +37,13 @@ KERNEL_NAME = "oproj_consumer_pallas"  # the name the lowered module carries (te
 LANES = 256  # TMA boxes take at most 256 elements per dimension: a row is [H / 256, 256]
 RING = 4  # split == 1: shared-memory slots in flight per CTA (each one row of H bf16)
 SPLIT = 7  # CTAs (one cluster) per token at small T: 7168 = 7 x 4 x 256
-SPLIT_MAX_T = 32  # up to this many tokens (measured: below, the cluster split is 1.6-1.8x faster)
-PAIR = 2  # a cluster of 2 CTAs per token above SPLIT_MAX_T ...
-PAIR_MAX_T = 64  # ... up to this many tokens (measured 1.1-1.2x faster than one CTA per token)
+SPLIT_MAX_T = 64  # up to this many tokens (measured: 1.4-3x faster than one CTA per token)
+CLUSTER_SPLITS = (2, 4, 7)  # cluster sizes the kernel takes (divide H/256 = 28; at most 8 CTAs)
 MAILBOX_BATCH = 16  # split=7: mailbox rows per copy (one copy for R <= 16; 1.2x faster at T <= 32)
 RING_MAX_T = 64  # split == 1: ring=RING up to this many tokens, 2 above (two CTAs fit an SM)
-EXCHANGE = 128  # f32 slots per cluster exchange round (>= 4 warps x 2 (NB + 1) dots; one per thread)
 PROFILE_RANGES = 32  # in-kernel profiler: named phases (ranges) recorded per warpgroup
 SMEM_LIMIT = 227 * 1024  # sm_90: the most dynamic shared memory one CTA may opt in to
+SMEM_ALIGN = 1024  # Pallas Mosaic GPU starts every scratch buffer on this boundary
 
 f32, bf16 = jnp.float32, jnp.bfloat16
 
@@ -72,17 +71,6 @@ def _rows(R, NB, has_delta):
     return [("mailbox", r) for r in range(R)] + ([("prefix", 0)] if has_delta else []) + [("block", b) for b in range(NB)]
 
 
-def _cluster_ptx(ptx: str):
-    """Inline PTX run by every thread of the CTA (cluster barriers: all threads take part)."""
-
-    @plgpu.inline_mgpu()
-    def emit(ctx):
-        del ctx
-        mgpu_utils.inline_ptx(ptx, has_side_effects=True)
-
-    emit()
-
-
 def _row_layout(C):
     """The layout Mosaic GPU gives a [C, 256] bf16 row loaded from shared memory (and the f32
     arrays computed from it): warpgroup-strided, the widest vector of <= 64 bits that tiles it."""
@@ -100,6 +88,8 @@ def _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, reps, ring, split, b
     rows = _rows(R, NB, has_delta)
     ring = len(rows) if split > 1 else min(ring, len(rows))
     per_group = -(-R // groups)
+    early = R + has_delta  # the rows the rank sum consumes
+    dots_per_round = (2 * (NB + 1), 1)  # cluster exchanges: s.w and s.s of every source, then y.y
     layout = _row_layout(C)
 
     def body(mailbox, prefix, blocks, norm, query, out_norm, *refs):
@@ -108,9 +98,19 @@ def _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, reps, ring, split, b
         # outputs: output [T, split, C, 256], xmoe [reps, T, split, C, 256]
         output, *refs = refs
         xmoe = refs.pop(0) if reps else None
-        slots, bars, wts, wbar, pbuf, obuf, *exchange_refs = refs
+        if split == 1:
+            slots, bars, wts, wbar, pbuf, obuf = refs
+            gamma = wts.at[2]
+        else:  # the staging rows and totals reuse the slots the rank sum has consumed
+            union, block_slots, bars, wts, wbar, recv = refs
+            early_slots, (pbuf, obuf, gamma, dot_sums) = union
         t = lax.axis_index("t")
         c = lax.axis_index("c") if split > 1 else 0
+
+        def slot(i):  # the shared-memory row that row i is copied into
+            if split == 1:
+                return slots.at[i % ring]
+            return early_slots.at[i] if i < early else block_slots.at[i - early]
 
         def source(i):
             kind, k = rows[i]
@@ -120,25 +120,27 @@ def _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, reps, ring, split, b
                 return prefix.at[t, c]
             return blocks.at[t, k, c]
 
+        if split > 1:  # before any copy is issued: its fence would wait for them
+            warp_dots.init(recv, dots_per_round, split)
         with jax.named_scope("issue_copies"):
-            for j, w in enumerate((norm, query, out_norm)):
+            for j, w in enumerate((norm, query, out_norm) if split == 1 else (norm, query)):
                 plgpu.copy_gmem_to_smem(w.at[c], wts.at[j], wbar.at[j])
             if batch > 1:  # resident rows: `batch` mailbox rows per copy, all blocks in one
                 for g in range(0, R, batch):
                     n = min(batch, R - g)
-                    plgpu.copy_gmem_to_smem(mailbox.at[pl.ds(g, n), t, c], slots.at[pl.ds(g, n)], bars.at[g])
+                    plgpu.copy_gmem_to_smem(mailbox.at[pl.ds(g, n), t, c], early_slots.at[pl.ds(g, n)], bars.at[g])
                 if has_delta:
-                    plgpu.copy_gmem_to_smem(prefix.at[t, c], slots.at[R], bars.at[R])
+                    plgpu.copy_gmem_to_smem(prefix.at[t, c], slot(R), bars.at[R])
                 if NB:
-                    plgpu.copy_gmem_to_smem(blocks.at[t, :, c], slots.at[pl.ds(R + has_delta, NB)], bars.at[R + has_delta])
+                    plgpu.copy_gmem_to_smem(blocks.at[t, :, c], block_slots.at[pl.ds(0, NB)], bars.at[early])
             else:
                 for i in range(ring):
-                    plgpu.copy_gmem_to_smem(source(i), slots.at[i], bars.at[i])
+                    plgpu.copy_gmem_to_smem(source(i), slot(i), bars.at[i])
 
         def arrival(i):  # the barrier that row i's copy completes
             if batch == 1:
                 return i % ring
-            return i - i % batch if i < R else (R if i == R and has_delta else R + has_delta)
+            return i - i % batch if i < R else (R if i == R and has_delta else early)
 
         waited = set()  # batched copies: a barrier completes once; a second wait would hang
 
@@ -149,14 +151,13 @@ def _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, reps, ring, split, b
             plgpu.barrier_wait(bars.at[arrival(i)])
 
         def take(i):  # [C, 256] f32 of row i; refills its slot with row i + ring
-            slot = i % ring
             wait_for(i)
-            x = slots[slot].astype(f32)
+            x = slot(i)[...].astype(f32)
             if i + ring < len(rows):
                 # every thread's read of the slot is done (and ordered before the async proxy's
                 # write) before the one issuing thread refills it
                 plgpu.commit_smem()
-                plgpu.copy_gmem_to_smem(source(i + ring), slots.at[slot], bars.at[slot])
+                plgpu.copy_gmem_to_smem(source(i + ring), slot(i), bars.at[i % ring])
             return x
 
         # Rank sum in the seed's order; -0.0 counts as +0.0 (the first term of every group is
@@ -177,13 +178,18 @@ def _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, reps, ring, split, b
                 attn = take(i) + attn
                 i += 1
         with jax.named_scope("prefix_store"):
+            if split > 1:
+                # every thread has read the early slots before any of them is overwritten (the
+                # staging rows and totals alias them); out_norm, needed last, comes in now
+                plgpu.commit_smem()
+                plgpu.copy_gmem_to_smem(out_norm.at[c], gamma, wbar.at[2])
             p16 = attn.astype(bf16)  # ROUND: the prefix is stored in bf16
             pbuf[...] = p16
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(pbuf, prefix.at[t, c])
 
         with jax.named_scope("weights"):
-            for j in range(3):
+            for j in range(3 if split == 1 else 2):
                 plgpu.barrier_wait(wbar.at[j])
             w = wts[0].astype(f32) * wts[1].astype(f32)
             p = p16.astype(f32)
@@ -206,26 +212,19 @@ def _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, reps, ring, split, b
                 y = mix * (1.0 / den)
                 yy = jnp.sum(y * y)
         else:  # all sources resident: one cluster exchange for the logits, one for y.y
-            exchange = exchange_refs
-
-            def combine(pairs, round_):  # cluster-wide dots a.b, added in a fixed order on every CTA
-                mine, total = exchange[2 * round_], exchange[2 * round_ + 1]  # [128] f32 each
-                warp_dots.warp_dots(pairs, mine, layout)  # mine[k * 4 + w]: warp w's part of dot k
-                _cluster_ptx("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;")
-                acc = plgpu.cluster_ref(mine, {"c": 0})[...]
-                for peer in range(1, split):
-                    acc = acc + plgpu.cluster_ref(mine, {"c": peer})[...]
-                total[...] = acc
-                W = warp_dots.WARPS
-                return [(total[W * k] + total[W * k + 1]) + (total[W * k + 2] + total[W * k + 3])
-                        for k in range(len(pairs))]
+            def combine(pairs, round_):  # cluster-wide dots a.b: the same scalars on every CTA
+                base = sum(warp_dots.WARPS * k for k in dots_per_round[:round_])
+                col = sum(dots_per_round[:round_])
+                warp_dots.cluster_dots(pairs, dot_sums, recv, layout, split=split, round_=round_, base=base, col=col)
+                return [dot_sums[warp_dots.TOTALS + col + k] for k in range(len(pairs))]
 
             with jax.named_scope("dots_exchange"):
                 block_rows = list(range(i, i + NB))
-                sources = [lambda: p] + [lambda r=r: slots[r].astype(f32) for r in block_rows]
+                sources = [lambda: p] + [lambda r=r: slot(r)[...].astype(f32) for r in block_rows]
                 for r in block_rows:
                     wait_for(r)
-                xs = [s() for s in sources]
+                with jax.named_scope("load_sources"):
+                    xs = [s() for s in sources]
                 sums = combine([pair for x in xs for pair in ((x, w), (x, x))], 0)
             with jax.named_scope("softmax_mix"):
                 logits = [sums[2 * j] * lax.rsqrt(sums[2 * j + 1] / H + eps) for j in range(NB + 1)]
@@ -235,9 +234,10 @@ def _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, reps, ring, split, b
                 y = functools.reduce(jnp.add, [s() * (ej * inv_den) for s, ej in zip(sources, e)])
             with jax.named_scope("exchange_yy"):
                 (yy,) = combine([(y, y)], 1)
-                _cluster_ptx("barrier.cluster.arrive.relaxed.aligned;")  # done reading peers' shared memory
         with jax.named_scope("output"):
-            out = y * lax.rsqrt(yy / H + out_eps) * wts[2].astype(f32)
+            if split > 1:
+                plgpu.barrier_wait(wbar.at[2])
+            out = y * lax.rsqrt(yy / H + out_eps) * gamma[...].astype(f32)
             o16 = out.astype(bf16)  # ROUND: the output is bf16
             obuf[...] = o16
             plgpu.commit_smem()
@@ -248,61 +248,69 @@ def _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, reps, ring, split, b
                 plgpu.commit_smem()
                 for k in range(reps):
                     plgpu.copy_smem_to_gmem(pbuf, xmoe.at[k, t, c])
-            if split > 1:
-                _cluster_ptx("barrier.cluster.wait.aligned;")  # no peer reads this CTA's memory any more
             plgpu.wait_smem_to_gmem(0)
 
-    scratch = [
-        plgpu.SMEM((ring, C, LANES), bf16),
-        plgpu.Barrier(num_barriers=ring),
-        plgpu.SMEM((3, C, LANES), bf16),
-        plgpu.Barrier(num_barriers=3),
-        plgpu.SMEM((C, LANES), bf16),
-        plgpu.SMEM((C, LANES), bf16),
-    ]
-    if split > 1:
-        scratch += [plgpu.SMEM((EXCHANGE,), f32) for _ in range(4)]  # (mine, total) x 2 rounds
+    row = plgpu.SMEM((C, LANES), bf16)
+    if split == 1:  # ring slots, norm/query/out_norm, prefix and output staging
+        scratch = [plgpu.SMEM((ring, C, LANES), bf16), plgpu.Barrier(num_barriers=ring),
+                   plgpu.SMEM((3, C, LANES), bf16), plgpu.Barrier(num_barriers=3), row, row]
+    else:
+        # Resident rows. The mailbox and prefix rows are dead once summed: the prefix and output
+        # staging rows, out_norm and the exchange totals reuse their memory. (A 2 KiB-row CTA of
+        # the 7-split then takes < 56 KiB: 4 fit an SM, so T=64 runs in one wave.)
+        scratch = [
+            plgpu.RefUnion(plgpu.SMEM((early, C, LANES), bf16), [row, row, row, plgpu.SMEM((warp_dots.PART,), f32)]),
+            plgpu.SMEM((max(NB, 1), C, LANES), bf16),
+            plgpu.Barrier(num_barriers=len(rows)),
+            plgpu.SMEM((2, C, LANES), bf16),  # norm, query
+            plgpu.Barrier(num_barriers=3),  # norm, query, out_norm
+            plgpu.SMEM(warp_dots.recv_shape(split), f32),  # the peers' totals, pushed here; the mbarriers
+        ]
     return body, scratch
 
 
-def resident_smem_bytes(rows: int, H: int, split: int) -> int:
-    """Shared memory of the cluster path (`split` > 1): every row of the token's slice resident,
-    plus the 3 weight rows, the prefix and output staging rows, the exchange buffers and barriers."""
+def cluster_smem_bytes(R: int, NB: int, has_delta: bool, H: int, split: int) -> int:
+    """Dynamic shared memory of one CTA of the cluster path, as _make_kernel lays it out (every
+    scratch buffer 1 KiB aligned, barriers 8 bytes each)."""
     row = H // split * 2
-    return (rows + 5) * row + 4 * EXCHANGE * 4 + 8 * (rows + 3)
+
+    def align(n):
+        return -(-n // SMEM_ALIGN) * SMEM_ALIGN
+
+    early = R + has_delta
+    union = max(align(early * row), 3 * align(row) + align(warp_dots.PART * 4))
+    rows = early + NB
+    recv = align(warp_dots.recv_shape(split)[0] * warp_dots.COLS * 4)
+    return union + align(max(NB, 1) * row) + align(2 * row) + recv + 8 * (rows + 3)
 
 
-def choose_split(T: int, H: int, interpret: bool, rows: int = 25) -> dict:
-    """The work split per token for T tokens of `rows` streamed rows each (R + has_delta + NB),
-    chosen by measurement on the H200 (benchmarks/pallas_smoke.py --profile, kernel us per
-    call; benchmarks/results/logs/2026-11-30-run{4,6}-pallas_split.txt, run8-pallas_sweep.txt).
-    The cluster rows are the current kernel (warp_dots, one exchange per round); the one-CTA rows
-    were measured before, when the cluster paths were 1.3x slower than now:
+def choose_split(T: int, H: int, interpret: bool, R: int = 16, NB: int = 8, has_delta: bool = True) -> dict:
+    """The work split per token for T tokens, chosen by measurement on the H200
+    (benchmarks/pallas_smoke.py --profile, kernel us per call; logs in benchmarks/results/logs:
+    2026-11-30-run{4,6}-pallas_split.txt, run8-pallas_sweep.txt, run9-pallas_push.txt).
+    The first row is the current cluster kernel (dot totals pushed, dead rows reused: 4 CTAs
+    per SM); the others were measured on earlier versions of the cluster path (pulled totals
+    behind cluster barriers, 3 CTAs per SM) and the one-CTA rows before those:
 
       T                 1     8     16    32    48    64    128   256   512
-      split=7 batch=16  4.3   5.2   -     7.6   -     14.1  -     -     -     (cluster of 7 CTAs)
-      split=7 batch=1   5.5   6.0   -     -     -     -     -     -     -
-      split=2 batch=1   8.0   9.0   -     10.6  -     12.2  24.8  43.1  -     (cluster of 2 CTAs)
-      split=2 batch=4   -     -     -     -     -     12.1  -     -     -     (noise: kept 1)
-      split=2 batch=16  -     -     -     -     -     13.4  -     -     -
-      split=4 batch=1   -     -     -     9.0   -     15.5  -     -     -     (cluster of 4, 2 CTAs/SM)
+      split=7 batch=16  3.8   4.6   -     7.2   9.0   10.8  -     -     -     (cluster of 7 CTAs)
+      split=7 batch=16  4.3   5.2   -     7.6   9.8   11.8  -     -     -     (pulled totals, 4/SM)
+      split=7 batch=16  -     -     -     -     -     14.1  -     -     -     (pulled, 3 CTAs/SM)
+      split=7 batch=1   5.5   6.0   -     -     10.1  12.1  -     -     -
+      split=2 batch=1   8.0   9.0   -     10.6  11.2  12.2  24.8  43.1  -     (cluster of 2 CTAs; now 12.8 at 64)
+      split=4 batch=1   -     -     -     9.0   -     15.5  -     -     -     (cluster of 4)
       ring=4            11.2  12.2  13.0  13.7  14.2  14.8  17.9  35.6  63.0  (one CTA per token)
       ring=2            11.4  14.4  15.4  16.0  16.4  17.0  19.3  28.4  54.0  (one CTA per token, 2 CTAs/SM)
 
     and ring=2 at T=4096: 392-396 us. `batch`: mailbox rows per TMA copy with the rows resident
-    (one copy is quicker to issue and wait for at small T; at T=64 the 2-split streams 7 KiB rows
-    and per-row copies let the rank sum start before the last row lands). A cluster split is
-    taken only where its resident rows fit in shared memory. Interpret mode has no cluster
+    (one copy is quicker to issue and wait for at small T; at T=48 and 64, 4, 8 or 16 rows per
+    copy measured the same). A cluster split is taken only where the token's columns divide
+    among 7 CTAs and the resident rows fit in shared memory. Interpret mode has no cluster
     shared memory: one CTA per token there.
     """
-    def fits(split):
-        # 8 KiB of slack for the alignment Mosaic gives each scratch buffer
-        return (H // LANES) % split == 0 and resident_smem_bytes(rows, H, split) <= SMEM_LIMIT - 8 * 1024
-
-    if not interpret and T <= SPLIT_MAX_T and fits(SPLIT):
+    fits = (H // LANES) % SPLIT == 0 and cluster_smem_bytes(R, NB, has_delta, H, SPLIT) <= SMEM_LIMIT
+    if not interpret and T <= SPLIT_MAX_T and fits:
         return dict(ring=RING, split=SPLIT, batch=MAILBOX_BATCH)
-    if not interpret and T <= PAIR_MAX_T and fits(PAIR):
-        return dict(ring=RING, split=PAIR)
     return dict(ring=RING if T <= RING_MAX_T else 2, split=1)
 
 
@@ -325,7 +333,7 @@ def consumer(
     return consumer_with(
         mailbox, prefix, blocks, norm, query, out_norm, eps=eps, out_eps=out_eps, has_delta=has_delta,
         groups=groups, xmoe_replicas=xmoe_replicas,
-        **choose_split(mailbox.shape[1], mailbox.shape[2], _interpret(), rows=len(_rows(R, NB, has_delta))),
+        **choose_split(mailbox.shape[1], mailbox.shape[2], _interpret(), R=R, NB=NB, has_delta=has_delta),
     )
 
 
@@ -356,8 +364,9 @@ def consumer_with(
     there (GPU only; benchmarks/pallas_phases.py reads it)."""
     R, T, H = mailbox.shape
     NB = blocks.shape[1]
-    if (H // LANES) % split:
-        raise ValueError(f"split: expected a divisor of H/{LANES} = {H // LANES}, got {split}")
+    if (split != 1 and split not in CLUSTER_SPLITS) or (H // LANES) % split:
+        raise ValueError(f"split: expected 1 or a cluster of {CLUSTER_SPLITS} CTAs dividing H/{LANES} = {H // LANES}, "
+                         f"got {split}")
     if batch < 1 or (batch > 1 and split == 1):
         raise ValueError(f"batch: expected 1, or > 1 with a cluster split (rows resident), got {batch} with split={split}")
     C = H // LANES // split
