@@ -213,10 +213,10 @@ def test_parity_gpu(gpu, config, variant):
 
 def test_cluster_dots_refuses_what_its_buffers_cannot_hold():
     # the warp sums take 4 slots per dot below part[128]; the pushes take one thread per (dot, CTA)
-    from oproj_jax.pallas import warp_dots
+    from oproj_jax.pallas import cluster_dots
 
     def dots(k, **where):
-        warp_dots.cluster_dots([(None, None)] * k, None, None, None, split=7, round_=0, **where)
+        cluster_dots.dots([(None, None)] * k, None, None, None, split=7, round_=0, **where)
 
     with pytest.raises(ValueError, match="part: the warp sums of 40 dots from 0 need 160 slots, 128 are set aside"):
         dots(40, base=0, col=0)
@@ -240,7 +240,7 @@ def test_cluster_split_fits_four_ctas_per_sm():
 
 @pytest.mark.parametrize("C", [1, 2, 4, 7, 14, 28])
 def test_row_layout_is_the_one_mosaic_loads(C):
-    # warp_dots declares the layout of the rows it gets; Mosaic GPU's own rule for a [C, 256]
+    # cluster_dots declares the layout of the rows it gets; Mosaic GPU's own rule for a [C, 256]
     # bf16 array decides what they have (a mismatch fails to compile on the GPU)
     from jax.experimental.mosaic import gpu as mgpu
     from jaxlib.mlir import ir

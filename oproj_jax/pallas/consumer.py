@@ -10,7 +10,7 @@ output and its -0-free replicas. Grid (T,): one CTA (one warpgroup) per token.
 With split > 1 a cluster of `split` CTAs shares a token (each owns H/split columns): all rows
 of its slice stay resident in shared memory, and the row reductions (s.w and s.s of the NB + 1
 sources, then y.y) are combined across the cluster in two rounds, each CTA pushing its totals
-into its peers' shared memory (warp_dots.py: st.async completing an mbarrier, no cluster
+into its peers' shared memory (cluster_dots.py: st.async completing an mbarrier, no cluster
 barrier per round); every CTA adds the warps' and CTAs' sums in the same fixed order, so all
 CTAs of a token use identical scalars. The mailbox and prefix rows are dead once summed: the
 staging rows, out_norm and the local dot sums reuse their memory (a RefUnion), which keeps a
@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from oproj_jax.api import ConsumerResult, Dims
-from oproj_jax.pallas import warp_dots
+from oproj_jax.pallas import cluster_dots
 
 KERNEL_NAME = "oproj_consumer_pallas"  # the name the lowered module carries (tests look for it)
 LANES = 256  # TMA boxes take at most 256 elements per dimension: a row is [H / 256, 256]
@@ -121,7 +121,7 @@ def _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, reps, ring, split, b
             return blocks.at[t, k, c]
 
         if split > 1:  # before any copy is issued: its fence would wait for them
-            warp_dots.init(recv, dots_per_round, split)
+            cluster_dots.init(recv, dots_per_round, split)
         with jax.named_scope("issue_copies"):
             for j, w in enumerate((norm, query, out_norm) if split == 1 else (norm, query)):
                 plgpu.copy_gmem_to_smem(w.at[c], wts.at[j], wbar.at[j])
@@ -213,10 +213,10 @@ def _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, reps, ring, split, b
                 yy = jnp.sum(y * y)
         else:  # all sources resident: one cluster exchange for the logits, one for y.y
             def combine(pairs, round_):  # cluster-wide dots a.b: the same scalars on every CTA
-                base = sum(warp_dots.WARPS * k for k in dots_per_round[:round_])
+                base = sum(cluster_dots.WARPS * k for k in dots_per_round[:round_])
                 col = sum(dots_per_round[:round_])
-                warp_dots.cluster_dots(pairs, dot_sums, recv, layout, split=split, round_=round_, base=base, col=col)
-                return [dot_sums[warp_dots.TOTALS + col + k] for k in range(len(pairs))]
+                cluster_dots.dots(pairs, dot_sums, recv, layout, split=split, round_=round_, base=base, col=col)
+                return [dot_sums[cluster_dots.TOTALS + col + k] for k in range(len(pairs))]
 
             with jax.named_scope("dots_exchange"):
                 block_rows = list(range(i, i + NB))
@@ -259,12 +259,12 @@ def _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, reps, ring, split, b
         # staging rows, out_norm and the exchange totals reuse their memory. (A 2 KiB-row CTA of
         # the 7-split then takes < 56 KiB: 4 fit an SM, so T=64 runs in one wave.)
         scratch = [
-            plgpu.RefUnion(plgpu.SMEM((early, C, LANES), bf16), [row, row, row, plgpu.SMEM((warp_dots.PART,), f32)]),
+            plgpu.RefUnion(plgpu.SMEM((early, C, LANES), bf16), [row, row, row, plgpu.SMEM((cluster_dots.PART,), f32)]),
             plgpu.SMEM((max(NB, 1), C, LANES), bf16),
             plgpu.Barrier(num_barriers=len(rows)),
             plgpu.SMEM((2, C, LANES), bf16),  # norm, query
             plgpu.Barrier(num_barriers=3),  # norm, query, out_norm
-            plgpu.SMEM(warp_dots.recv_shape(split), f32),  # the peers' totals, pushed here; the mbarriers
+            plgpu.SMEM(cluster_dots.recv_shape(split), f32),  # the peers' totals, pushed here; the mbarriers
         ]
     return body, scratch
 
@@ -278,9 +278,9 @@ def cluster_smem_bytes(R: int, NB: int, has_delta: bool, H: int, split: int) -> 
         return -(-n // SMEM_ALIGN) * SMEM_ALIGN
 
     early = R + has_delta
-    union = max(align(early * row), 3 * align(row) + align(warp_dots.PART * 4))
+    union = max(align(early * row), 3 * align(row) + align(cluster_dots.PART * 4))
     rows = early + NB
-    recv = align(warp_dots.recv_shape(split)[0] * warp_dots.COLS * 4)
+    recv = align(cluster_dots.recv_shape(split)[0] * cluster_dots.COLS * 4)
     return union + align(max(NB, 1) * row) + align(2 * row) + recv + 8 * (rows + 3)
 
 

@@ -72,7 +72,7 @@ def _index(value):
 
 def init(recv, dots_per_round, split: int) -> None:
     """One mbarrier per round in recv's last row, expecting that round's dots from the peers;
-    then this CTA arrives on the cluster barrier (`cluster_dots` of round 0 waits on it)."""
+    then this CTA arrives on the cluster barrier (`dots` of round 0 waits on it)."""
     if 2 * len(dots_per_round) > COLS:
         raise ValueError(f"dots_per_round: at most {COLS // 2} rounds, got {len(dots_per_round)}")
 
@@ -98,7 +98,7 @@ def init(recv, dots_per_round, split: int) -> None:
     emit(recv)
 
 
-def cluster_dots(pairs, part, recv, layout, *, split: int, round_: int, base: int, col: int) -> None:
+def dots(pairs, part, recv, layout, *, split: int, round_: int, base: int, col: int) -> None:
     """Cluster-wide dots a_k . b_k for pairs [(a_k, b_k)] of f32 arrays in `layout` (a plgpu
     layout), left in part[TOTALS + col + k]. part: [PART] f32 shared (this CTA only; warp sums
     at base..base + 4K); recv: recv_shape(split) f32 shared, written by the peers (columns
