@@ -16,6 +16,8 @@ from cutlass import Boolean, Float32, Int32, Int64, Uint32
 from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
 
+from oproj_jax import dsmem_ptx
+
 SENTINEL = 0x80000000  # an empty mailbox word: the bf16 pair (+0.0, -0.0)
 
 _CONSTRAINT = {Float32: "f", Int32: "r", Uint32: "r", Int64: "l", Boolean: "b"}
@@ -297,12 +299,7 @@ def mbar_arrive(saddr):
 
 def mbar_wait_phase0(saddr):
     """Spin until phase 0 of the mbarrier completes (all expected bytes arrived)."""
-    asm(
-        "{ .reg .pred p; WAIT_${:uid}: mbarrier.try_wait.parity.shared::cta.b64 p, [$0], 0;"
-        " @!p bra WAIT_${:uid}; }",
-        (),
-        ((Int32, saddr),),
-    )
+    asm(dsmem_ptx.WAIT_PHASE0, (), ((Int32, saddr),))
 
 
 def cluster_arrive_relaxed():
@@ -327,17 +324,8 @@ def put_f32(saddr, value, mbar_saddr, peer, rank):
     """Deliver one f32 to CTA `peer`'s copy of `saddr` and account for it on its mbarrier:
     st.async (complete_tx) to another CTA; to this CTA a plain st.shared plus one mbarrier
     arrival (st.async is only used across CTAs, as in the verified cluster example)."""
-    asm(
-        "{ .reg .pred own; .reg .b32 d, m; .reg .b64 state;"
-        " setp.eq.u32 own, $3, $4;"
-        " @own st.shared.f32 [$0], $1;"
-        " @own mbarrier.arrive.shared::cta.b64 state, [$2];"
-        " @!own mapa.shared::cluster.u32 d, $0, $3;"
-        " @!own mapa.shared::cluster.u32 m, $2, $3;"
-        " @!own st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [d], $1, [m]; }",
-        (),
-        ((Int32, saddr), (Float32, value), (Int32, mbar_saddr), (Int32, peer), (Int32, rank)),
-    )
+    asm(dsmem_ptx.PUT_F32, (),
+        ((Int32, saddr), (Float32, value), (Int32, mbar_saddr), (Int32, peer), (Int32, rank)))
 
 
 def shfl_bfly(value, mask: int):

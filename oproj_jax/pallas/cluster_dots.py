@@ -30,6 +30,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, memref, vector
 
+from oproj_jax import dsmem_ptx
+
 WARPS = 4  # warps of the warpgroup that runs the kernel body
 COLS = 32  # recv: f32 columns per source CTA (the dots of every round, side by side)
 TOTALS = 128  # part: the cluster totals start here (the warp sums of all rounds come before)
@@ -140,18 +142,9 @@ def dots(pairs, part, recv, layout, *, split: int, round_: int, base: int, col: 
             total = arith.addf(arith.addf(w[0], w[1]), arith.addf(w[2], w[3]))
             slot = arith.addi(_smem_address(recv_ref),
                               arith.muli(arith.addi(arith.muli(me, _i32(COLS)), arith.addi(k, _i32(col))), _i32(4)))
-            mgpu_utils.inline_ptx(
-                "{ .reg .pred own; .reg .b32 d, m; .reg .b64 state;"
-                " setp.eq.u32 own, $3, $4;"
-                " @own st.shared.f32 [$0], $1;"
-                " @own mbarrier.arrive.shared::cta.b64 state, [$2];"
-                " @!own mapa.shared::cluster.u32 d, $0, $3;"
-                " @!own mapa.shared::cluster.u32 m, $2, $3;"
-                " @!own st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [d], $1, [m]; }",
-                slot, total, bar, peer, me, has_side_effects=True)
-        mgpu_utils.inline_ptx(  # every peer's totals of this round have landed in recv
-            "{ .reg .pred p; WAIT_${:uid}: mbarrier.try_wait.parity.shared::cta.b64 p, [$0], 0;"
-            " @!p bra WAIT_${:uid}; }", bar, has_side_effects=True)
+            mgpu_utils.inline_ptx(dsmem_ptx.PUT_F32, slot, total, bar, peer, me, has_side_effects=True)
+        # every peer's totals of this round have landed in recv
+        mgpu_utils.inline_ptx(dsmem_ptx.WAIT_PHASE0, bar, has_side_effects=True)
         with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ult, thread, _i32(K))):
             column = _index(arith.addi(thread, _i32(col)))
             total = memref.load(recv_ref, [_index(_i32(0)), column])
