@@ -23,6 +23,7 @@ the GPU by benchmarks/pallas_smoke.py and, for T <= SPLIT_MAX_T, by every regist
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -250,38 +251,42 @@ def _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, reps, ring, split, b
                     plgpu.copy_smem_to_gmem(pbuf, xmoe.at[k, t, c])
             plgpu.wait_smem_to_gmem(0)
 
-    row = plgpu.SMEM((C, LANES), bf16)
     if split == 1:  # ring slots, norm/query/out_norm, prefix and output staging
+        row = plgpu.SMEM((C, LANES), bf16)
         scratch = [plgpu.SMEM((ring, C, LANES), bf16), plgpu.Barrier(num_barriers=ring),
                    plgpu.SMEM((3, C, LANES), bf16), plgpu.Barrier(num_barriers=3), row, row]
     else:
-        # Resident rows. The mailbox and prefix rows are dead once summed: the prefix and output
-        # staging rows, out_norm and the exchange totals reuse their memory. (A 2 KiB-row CTA of
-        # the 7-split then takes < 56 KiB: 4 fit an SM, so T=64 runs in one wave.)
-        scratch = [
-            plgpu.RefUnion(plgpu.SMEM((early, C, LANES), bf16), [row, row, row, plgpu.SMEM((cluster_dots.PART,), f32)]),
-            plgpu.SMEM((max(NB, 1), C, LANES), bf16),
-            plgpu.Barrier(num_barriers=len(rows)),
-            plgpu.SMEM((2, C, LANES), bf16),  # norm, query
-            plgpu.Barrier(num_barriers=3),  # norm, query, out_norm
-            plgpu.SMEM(cluster_dots.recv_shape(split), f32),  # the peers' totals, pushed here; the mbarriers
-        ]
+        scratch = _cluster_scratch(R, NB, has_delta, C, split)
     return body, scratch
 
 
+def _cluster_scratch(R, NB, has_delta, C, split):
+    """The cluster path's scratch. Resident rows; the mailbox and prefix rows are dead once
+    summed: the prefix and output staging rows, out_norm and the local dot sums reuse their
+    memory. (A 2 KiB-row CTA of the 7-split then takes < 56 KiB: 4 fit an SM, T=64 in one wave.)"""
+    row = plgpu.SMEM((C, LANES), bf16)
+    return [
+        plgpu.RefUnion(plgpu.SMEM((R + has_delta, C, LANES), bf16),
+                       [row, row, row, plgpu.SMEM((cluster_dots.PART,), f32)]),
+        plgpu.SMEM((max(NB, 1), C, LANES), bf16),
+        plgpu.Barrier(num_barriers=len(_rows(R, NB, has_delta))),
+        plgpu.SMEM((2, C, LANES), bf16),  # norm, query
+        plgpu.Barrier(num_barriers=3),  # norm, query, out_norm
+        plgpu.SMEM(cluster_dots.recv_shape(split), f32),  # the peers' totals, pushed here; the mbarriers
+    ]
+
+
 def cluster_smem_bytes(R: int, NB: int, has_delta: bool, H: int, split: int) -> int:
-    """Dynamic shared memory of one CTA of the cluster path, as _make_kernel lays it out (every
-    scratch buffer 1 KiB aligned, barriers 8 bytes each)."""
-    row = H // split * 2
-
-    def align(n):
-        return -(-n // SMEM_ALIGN) * SMEM_ALIGN
-
-    early = R + has_delta
-    union = max(align(early * row), 3 * align(row) + align(cluster_dots.PART * 4))
-    rows = early + NB
-    recv = align(cluster_dots.recv_shape(split)[0] * cluster_dots.COLS * 4)
-    return union + align(max(NB, 1) * row) + align(2 * row) + recv + 8 * (rows + 3)
+    """Dynamic shared memory of one CTA of the cluster path: its scratch (_cluster_scratch) as
+    Pallas lays it out, every buffer 1 KiB aligned (a RefUnion is one buffer of its largest
+    group), barriers 8 bytes each."""
+    total = 0
+    for item in _cluster_scratch(R, NB, has_delta, H // LANES // split, split):
+        if isinstance(item, plgpu.Barrier):
+            total += 8 * math.prod(item.num_barriers)  # a shape: (n,)
+        else:
+            total += -(-math.prod(item.shape) * jnp.dtype(item.dtype).itemsize // SMEM_ALIGN) * SMEM_ALIGN
+    return total
 
 
 def choose_split(T: int, H: int, interpret: bool, R: int = 16, NB: int = 8, has_delta: bool = True) -> dict:
