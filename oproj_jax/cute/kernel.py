@@ -7,17 +7,24 @@ Timeline of one CTA:
   all      PDL trigger, PDL wait
   group 0  cp.async its slices of norm, query, out_norm, prefix (has_delta), blocks -> smem;
            issues the first polling loads of its rank slots
-  all      while those loads are in flight: thread 0 inits the two exchange mbarriers, then
-           the cluster barrier (peers may deliver into them after it)
-  group 0  block statistics (|b|^2, b.w), warp reduce-scatter, 4 warps via smem, sent to the
-           7 CTAs via st.async (DSMEM)
+  all      while those loads are in flight: thread 0 inits the exchange mbarrier, then the
+           cluster barrier (peers may deliver into it after it)
   group g  polls ranks g*S .. g*S+S-1 (S = ceil(R/G)), sums them in rank order, hands the
            f32 partial sum to group 0 through smem (named barrier 2), re-arms its slots
-  group 0  while the first exchange is in flight: sums its slots, then adds group 1, 2, ...
-           in group order (the prefix bits), rounds, writes prefix, re-arms, |p|^2 and p.w;
-           then the first exchange's totals: block softmax kept unnormalized (max, sum, mix);
-           4 row dots -> second DSMEM exchange; the seed's quadratic form (eps scaled by
-           den^2); writes output, xmoe replicas (-0 -> +0), hints.
+  group 0  splits w = norm * query into two bf16 rows; sums its slots, then adds group 1, 2,
+           ... in group order (the prefix bits), rounds, writes prefix, re-arms; then every row
+           statistic of its slice (row_stats: the blocks' Gram matrix, b.w, b.p on the tensor
+           cores; p.p, p.w as 8-wide dots and a warp butterfly), 4 warps via smem, one exchange
+           to the 7 CTAs via st.async (DSMEM); from the totals the block softmax kept
+           unnormalized and the seed's quadratic form (eps scaled by den^2); mix, output, xmoe
+           replicas (-0 -> +0), hints.
+  (NB = 0: output = RMSNorm(p); the exchange carries p.p only.)
+
+The seed exchanges twice: block statistics before the rank sum, then mix.mix and mix.p after
+the softmax. Both of the latter are arithmetic on sums the first exchange can carry (the Gram
+matrix and b.p; row_stats), so one exchange after the rank sum replaces the two: on the H200
+the median CTA at T=1 went from ~4700 to ~3850 cycles and the kernel from 3.0 to 2.9 us; at
+T=64 the kernel took 0.1-0.2 us longer (benchmarks/results/README.md, run 10).
 
 PDL: `griddepcontrol.launch_dependents` on entry; `griddepcontrol.wait` right after the
 shared-memory setup and BEFORE the first global read. The seed waits at exit, which is only
@@ -49,6 +56,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from oproj_jax.cute import primitives as P
+from oproj_jax.cute import row_stats
 
 CTAS = 7  # cluster: the CTAs of one token
 THREADS = 128  # per group; one group covers 1/7 of the row
@@ -58,8 +66,8 @@ STATUS_MAILBOX, STATUS_RECV = 1, 2
 # trace builds (trace=True, never in the manifest): `status` points at [T, CTAS, TRACE_SLOTS] u64
 # timers: slots 0..13 %clock64 at the phase marks of `body`, 14/15 %globaltimer at entry/exit
 TRACE_SLOTS = 16
-TRACE_MARKS = ("entry", "pdl_wait", "loads_issued", "cluster_sync", "smem_rows", "stats_sent", "rank_sum",
-               "prefix_stored", "stats_received", "logits", "dots_sent", "dots_received", "totals", "stored")
+TRACE_MARKS = ("entry", "pdl_wait", "loads_issued", "cluster_sync", "smem_rows", "rank_sum", "prefix_stored",
+               "stats_sent", "stats_received", "totals", "mixed", "stored")
 TRACE_GLOBAL = {"entry": TRACE_SLOTS - 2, "stored": TRACE_SLOTS - 1}  # marks that also store %globaltimer
 TWOSHOT_CHUNK = 8  # recv slots polled at once by a twoshot reducer thread
 
@@ -72,14 +80,17 @@ class Layout:
     """Static shared-memory layout (byte offsets) of one variant."""
 
     def __init__(self, nb: int, poll_groups: int):
-        self.bar = 0  # 2 x u64 mbarriers: block stats exchange, row dots exchange
-        self.wpre = 16  # [4 warps, 16] f32
-        self.pre = self.wpre + 4 * 16 * 4  # [7 CTAs, 16] f32 (written by peers)
-        self.blk = self.pre + CTAS * 16 * 4  # [16] f32
-        self.post = self.blk + 16 * 4  # [7 CTAs, 4 warps, 4] f32 (written by peers)
-        self.total = self.post + CTAS * 4 * 4 * 4  # [4] f32
-        self.rows = 4 + nb  # norm, query, out_norm, prefix, blocks 0..NB-1
-        self.pf = _ceil_div(self.total + 16, 128) * 128  # [rows, 128 threads, 16 B]
+        stride = row_stats.STRIDE
+        self.bar = 0  # 2 x u64 mbarriers: the row statistics (NB > 0), p.p (NB = 0)
+        self.wpre = 16  # [4 warps, stride] f32
+        self.pre = self.wpre + 4 * stride * 4  # [7 CTAs, stride] f32 (written by peers)
+        self.blk = self.pre + CTAS * stride * 4  # [stride] f32: the cluster totals
+        self.post = self.blk + stride * 4  # [7 CTAs, 4 warps] f32 (NB = 0; written by peers)
+        self.total = self.post + CTAS * 4 * 4  # [1] f32
+        # norm, query, out_norm, prefix, blocks 0..NB-1. Reused once read (row_stats, NB > 0):
+        # norm and query hold w_hi and w_lo, the prefix row (after the rank sum) p
+        self.rows = 4 + nb
+        self.pf = _ceil_div(self.total + 16, 128) * 128  # [rows, 128 threads, 16 B], swizzled
         self.parts = self.pf + self.rows * ROW_BYTES  # [groups-1, 2 halves, 128, 4] f32
         self.size = self.parts + max(0, poll_groups - 1) * 2 * THREADS * 16
 
@@ -112,8 +123,8 @@ class OprojConsumer:
         self.slots = slots
         self.S = _ceil_div(slots, groups)  # slots per polling group
         self.poll_groups = _ceil_div(slots, self.S)  # groups that own at least one slot
-        self.kpre = 1 << max(0, (2 * NB - 1).bit_length())  # block stats, padded to 2^k
-        self.npost = 4 if NB > 0 else 1  # row dots of the second exchange
+        self.stats = row_stats.Stats(NB) if NB else None  # what the exchange carries (NB > 0)
+        self.row_bytes = ROW_BYTES
         self.layout = Layout(NB, 1 if fold else self.poll_groups)
         self.threads = THREADS if fold else THREADS * groups
         self.raw_slots = max(slots if fold else self.S, min(R, TWOSHOT_CHUNK) if twoshot else 1)
@@ -124,8 +135,22 @@ class OprojConsumer:
 
     # ---- small pieces (plain Python: straight-line PTX, traced inline) -------------------
 
+    def chunk(self, smem, row, t):
+        """Shared address of thread t's 16 bytes of smem row `row`. Swizzled: chunk t is stored at
+        t ^ (row % 8), so the same chunk of 8 consecutive rows (what one ldmatrix phase reads)
+        falls in 8 distinct bank groups, while a warp's 32 chunks still fill its 4 aligned
+        128-byte lines (cp.async and the row-wise reads stay conflict-free and aligned)."""
+        return smem + self.layout.pf + row * ROW_BYTES + (t ^ (row % 8)) * 16
+
+    def prefetch(self, smem, row, t, slice_start):
+        """cp.async 16 bytes of the CTA's slice of a global row into smem row `row`, swizzled as
+        self.chunk says. Thread t writes smem chunk t and reads the global chunk that belongs
+        there (t ^ (row % 8), in the same 128-byte line): the warp still reads its 4 whole lines
+        and its smem destinations stay linear (a permuted destination was no faster; run 10)."""
+        P.cp_async16(smem + self.layout.pf + row * ROW_BYTES + t * 16, slice_start + (t ^ (row % 8)) * 16)
+
     def fragment(self, smem, row, t):  # 8 f32 from one 16-byte smem chunk
-        words = P.lds4(smem + self.layout.pf + row * ROW_BYTES + t * 16)
+        words = P.lds4(self.chunk(smem, row, t))
         out = []
         for w in words:
             out.extend(P.unpack(w))
@@ -281,16 +306,15 @@ class OprojConsumer:
         first_slots = self.slots if self.fold else min(self.S, self.slots)  # group 0's slots
         if group == 0:
             # -- prefetch this thread's 16-byte slices into smem --------------------------
-            own = t * 16
+            cta = Int64(rank * THREADS * VEC)  # the CTA's first element of a row
             if cutlass.const_expr(NB > 0):
-                P.cp_async16(smem + L.pf + 0 * ROW_BYTES + own, norm + Int64(h) * 2)
-                P.cp_async16(smem + L.pf + 1 * ROW_BYTES + own, query + Int64(h) * 2)
-            P.cp_async16(smem + L.pf + 2 * ROW_BYTES + own, out_norm + Int64(h) * 2)
+                self.prefetch(smem, 0, t, norm + cta * 2)
+                self.prefetch(smem, 1, t, query + cta * 2)
+            self.prefetch(smem, 2, t, out_norm + cta * 2)
             if cutlass.const_expr(self.has_delta):
-                P.cp_async16(smem + L.pf + 3 * ROW_BYTES + own, prefix + row * 2)
+                self.prefetch(smem, 3, t, prefix + (Int64(token) * H + cta) * 2)
             for b in cutlass.range_constexpr(NB):
-                src = blocks + ((Int64(token) * NB + b) * H + h) * 2
-                P.cp_async16(smem + L.pf + (4 + b) * ROW_BYTES + own, src)
+                self.prefetch(smem, 4 + b, t, blocks + ((Int64(token) * NB + b) * H + cta) * 2)
             P.cp_async_commit()
             if cutlass.const_expr(not self.twoshot):
                 for k in cutlass.range_constexpr(first_slots):  # first polling round, early
@@ -310,12 +334,13 @@ class OprojConsumer:
             # each exchange: one arrival here, one per value this CTA delivers to itself
             # (st.shared + arrive), and the bytes the 6 peers deliver by st.async
             if cutlass.const_expr(NB > 0):
-                P.mbar_init(bar_pre, 1 + 2 * NB)
-            P.mbar_init(bar_post, 1 + 4 * self.npost)
-            P.fence_mbar_init()
-            if cutlass.const_expr(NB > 0):
-                P.mbar_arrive_expect_tx(bar_pre, (CTAS - 1) * 2 * NB * 4)
-            P.mbar_arrive_expect_tx(bar_post, (CTAS - 1) * 4 * self.npost * 4)
+                P.mbar_init(bar_pre, 1 + self.stats.count)
+                P.fence_mbar_init()
+                P.mbar_arrive_expect_tx(bar_pre, (CTAS - 1) * self.stats.count * 4)
+            else:
+                P.mbar_init(bar_post, 1 + 4)
+                P.fence_mbar_init()
+                P.mbar_arrive_expect_tx(bar_post, (CTAS - 1) * 4 * 4)
         P.cluster_arrive_relaxed()
         # every thread waits on the cluster barrier: ptxas lowers the wait to the cluster
         # barrier plus a CTA-wide bar.sync 0 (peers' mbarriers are initialized after it)
@@ -323,30 +348,10 @@ class OprojConsumer:
         mark("cluster_sync")
 
         if group == 0:
-            # -- block statistics: first exchange sent (its round trip overlaps the rank sum) --
-            mix = [Float32(0.0)] * VEC
-            maximum, exp_sum, qpart = Float32(0.0), Float32(0.0), Float32(0.0)
             P.cp_async_wait_all()  # each thread reads back only its own chunks: no barrier
             mark("smem_rows")
-            if cutlass.const_expr(NB > 0):
-                nrm, qry = self.fragment(smem, 0, t), self.fragment(smem, 1, t)
-                weight = [P.mul_rn(a, b) for a, b in zip(nrm, qry)]
-                partial = [Float32(0.0)] * self.kpre
-                for b in cutlass.range_constexpr(NB):
-                    v = self.fragment(smem, 4 + b, t)
-                    partial[b] = P.dot8(v, v)
-                    partial[NB + b] = P.dot8(v, weight)
-                value, idx = self.reduce_scatter(partial, self.kpre, lane)
-                if ((lane & (32 // self.kpre - 1)) == 0) & (idx < 2 * NB):
-                    P.sts_f32(smem + L.wpre + (warp * 16 + idx) * 4, value)
-                P.bar_sync(1, THREADS)
-                if t < 2 * NB:
-                    s = P.lds_f32(smem + L.wpre + t * 4)
-                    for w in cutlass.range_constexpr(1, 4):
-                        s = P.add_rn(s, P.lds_f32(smem + L.wpre + (w * 16 + t) * 4))
-                    for peer in cutlass.range_constexpr(CTAS):
-                        P.put_f32(smem + L.pre + (rank * 16 + t) * 4, s, bar_pre, peer, rank)
-                mark("stats_sent")
+            if cutlass.const_expr(NB > 0):  # w = norm * query, split for the tensor cores
+                row_stats.split_weight(self, smem, t)
 
             # -- rank sum: own slots, then the other groups' partial sums in group order ----
             if cutlass.const_expr(self.twoshot):
@@ -376,86 +381,65 @@ class OprojConsumer:
                 if cutlass.const_expr(self.has_delta):
                     lo, hi = P.unpack(P.pack(P.add_rn(old[2 * j], lo), P.add_rn(old[2 * j + 1], hi)))
                 p.extend((lo, hi))
-            P.st4(prefix + row * 2, [P.pack(p[2 * j], p[2 * j + 1]) for j in range(4)])
+            p_words = [P.pack(p[2 * j], p[2 * j + 1]) for j in range(4)]
+            P.st4(prefix + row * 2, p_words)
             mark("prefix_stored")
             if spin_limit >= 0:
                 for k in cutlass.range_constexpr(first_slots):
                     P.rearm(frag + k * slot_stride)
 
-            # -- first exchange received: the block softmax, kept unnormalized (max, sum, mix) --
             if cutlass.const_expr(NB > 0):
-                nrm, qry = self.fragment(smem, 0, t), self.fragment(smem, 1, t)
-                weight = [P.mul_rn(a, b) for a, b in zip(nrm, qry)]
-                p_dots = [P.dot8(p, p), P.dot8(p, weight)]
+                # -- every row statistic, one cluster exchange (row_stats) -------------------
+                weight = row_stats.read_weight(self, smem, t)
+                row_stats.warp_stats(self, smem, p, p_words, weight, t, warp, lane)
+                P.bar_sync(1, THREADS)
+                count, stride = self.stats.count, row_stats.STRIDE
+                if t < count:
+                    s = P.lds_f32(smem + L.wpre + t * 4)
+                    for w in cutlass.range_constexpr(1, 4):
+                        s = P.add_rn(s, P.lds_f32(smem + L.wpre + (w * stride + t) * 4))
+                    for peer in cutlass.range_constexpr(CTAS):
+                        P.put_f32(smem + L.pre + (rank * stride + t) * 4, s, bar_pre, peer, rank)
+                mark("stats_sent")
                 P.mbar_wait_phase0(bar_pre)
                 mark("stats_received")
-                if t < 2 * NB:
-                    sums = [P.lds_f32(smem + L.pre + t * 4), P.lds_f32(smem + L.pre + (16 + t) * 4)]
+                if t < count:
+                    sums = [P.lds_f32(smem + L.pre + t * 4), P.lds_f32(smem + L.pre + (stride + t) * 4)]
                     for peer in cutlass.range_constexpr(2, CTAS):
                         sums[peer % 2] = P.add_rn(sums[peer % 2],
-                                                  P.lds_f32(smem + L.pre + (peer * 16 + t) * 4))
+                                                  P.lds_f32(smem + L.pre + (peer * stride + t) * 4))
                     P.sts_f32(smem + L.blk + t * 4, P.add_rn(sums[0], sums[1]))
                 P.bar_sync(1, THREADS)
-                mark("logits")
-                logits = []
-                for b in cutlass.range_constexpr(NB):
-                    sq = P.lds_f32(smem + L.blk + b * 4)
-                    dw = P.lds_f32(smem + L.blk + (NB + b) * 4)
-                    logits.append(P.mul_rn(dw, P.rstd(sq, eps, H)))
-                maximum = logits[0]
-                for b in cutlass.range_constexpr(1, NB):
-                    maximum = P.max_f32(maximum, logits[b])
-                exps = [P.exp_approx(P.add_rn(x, -maximum)) for x in logits]
-                exp_sum = exps[0]
-                for b in cutlass.range_constexpr(1, NB):
-                    exp_sum = P.add_rn(exp_sum, exps[b])
+                mark("totals")
+                # -- AttnRes (streaming form) and the output RMSNorm -------------------------
+                exps, ca, cp = row_stats.mix_scales(self, smem, eps, out_eps)
+                mix = [Float32(0.0)] * VEC
                 for b in cutlass.range_constexpr(NB):
                     v = self.fragment(smem, 4 + b, t)
                     mix = [P.fma_rn(exps[b], v[j], mix[j]) for j in range(VEC)]
-                qpart = P.dot8(mix, mix)
-                dots = [P.dot8(mix, p), qpart, p_dots[0], p_dots[1]]
-            else:
-                dots = [P.dot8(p, p)]
-
-            # -- row dots, second exchange ---------------------------------------------------
-            value, idx = self.reduce_scatter(dots, self.npost, lane)
-            spread = 32 // self.npost - 1  # lanes holding the same total: one peer each
-            if (lane & spread) < CTAS:
-                P.put_f32(smem + L.post + ((rank * 4 + warp) * 4 + idx) * 4, value, bar_post,
-                          lane & spread, rank)
-            mark("dots_sent")
-            P.mbar_wait_phase0(bar_post)
-            mark("dots_received")
-            if t < self.npost:
-                sums = []
-                for w in cutlass.range_constexpr(4):
-                    s = P.lds_f32(smem + L.post + (w * 4 + t) * 4)
-                    for peer in cutlass.range_constexpr(1, CTAS):
-                        s = P.add_rn(s, P.lds_f32(smem + L.post + ((peer * 4 + w) * 4 + t) * 4))
-                    sums.append(s)
-                P.sts_f32(smem + L.total + t * 4,
-                          P.add_rn(P.add_rn(sums[0], sums[1]), P.add_rn(sums[2], sums[3])))
-            P.bar_sync(1, THREADS)
-
-            mark("totals")
-            # -- AttnRes (streaming form) and the output RMSNorm -----------------------------
-            total = [P.lds_f32(smem + L.total + k * 4) for k in range(self.npost)]
-            gamma = self.fragment(smem, 2, t)
-            if cutlass.const_expr(NB > 0):
-                lp = P.mul_rn(total[3], P.rstd(total[2], eps, H))  # the prefix source's logit
-                mx = P.max_f32(maximum, lp)
-                alpha = P.exp_approx(P.add_rn(maximum, -mx))
-                ep = P.exp_approx(P.add_rn(lp, -mx))
-                den = P.fma_rn(alpha, exp_sum, ep)
-                quad = P.fma_rn(P.mul_rn(alpha, alpha), total[1],
-                                P.fma_rn(P.mul_rn(P.mul_rn(2.0, alpha), ep), total[0],
-                                         P.mul_rn(P.mul_rn(ep, ep), total[2])))
-                scale = P.rstd(quad, P.mul_rn(P.mul_rn(out_eps, den), den), H)
-                ca, cp = P.mul_rn(alpha, scale), P.mul_rn(ep, scale)
                 y = [P.fma_rn(ca, mix[j], P.mul_rn(cp, p[j])) for j in range(VEC)]
             else:
-                cp = P.rstd(total[0], out_eps, H)
+                # -- NB = 0: output = RMSNorm(p); p.p through the cluster ---------------------
+                value, _ = self.reduce_scatter([P.dot8(p, p)], 1, lane)  # every lane: the total
+                if lane < CTAS:
+                    P.put_f32(smem + L.post + (rank * 4 + warp) * 4, value, bar_post, lane, rank)
+                mark("stats_sent")
+                P.mbar_wait_phase0(bar_post)
+                mark("stats_received")
+                if t == 0:
+                    sums = []
+                    for w in cutlass.range_constexpr(4):
+                        s = P.lds_f32(smem + L.post + w * 4)
+                        for peer in cutlass.range_constexpr(1, CTAS):
+                            s = P.add_rn(s, P.lds_f32(smem + L.post + (peer * 4 + w) * 4))
+                        sums.append(s)
+                    P.sts_f32(smem + L.total, P.add_rn(P.add_rn(sums[0], sums[1]), P.add_rn(sums[2], sums[3])))
+                P.bar_sync(1, THREADS)
+                mark("totals")
+                cp = P.rstd(P.lds_f32(smem + L.total), out_eps, H)
                 y = [P.mul_rn(cp, p[j]) for j in range(VEC)]
+            mark("mixed")
+            gamma = self.fragment(smem, 2, t)
             out = [P.mul_rn(y[j], gamma[j]) for j in range(VEC)]
             words = [P.pack(out[2 * j], out[2 * j + 1]) for j in range(4)]
             P.st4(output + row * 2, words)

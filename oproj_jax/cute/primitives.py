@@ -100,6 +100,10 @@ def rstd(sum_of_squares, eps, hidden: int):
     return asm("rsqrt.approx.f32 $0, $1;", (Float32,), ((Float32, mean),))
 
 
+def sub_rn(a, b):
+    return asm("sub.rn.f32 $0, $1, $2;", (Float32,), ((Float32, a), (Float32, b)))
+
+
 def dot8(a, b):
     """8-wide dot of two register lists/tensors: two interleaved fma chains, then one add."""
     even = mul_rn(a[0], b[0])
@@ -238,6 +242,10 @@ def lds4(saddr):
     return asm("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", _U4, ((Int32, saddr),))
 
 
+def sts4(saddr, words):
+    asm("st.shared.v4.b32 [$0], {$1, $2, $3, $4};", (), ((Int32, saddr),) + tuple((Uint32, w) for w in words))
+
+
 def lds4_f32(saddr):
     return asm(
         "ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];", (Float32,) * 4, ((Int32, saddr),)
@@ -258,6 +266,36 @@ def lds_f32(saddr):
 
 def sts_f32(saddr, value):
     asm("st.shared.f32 [$0], $1;", (), ((Int32, saddr), (Float32, value)))
+
+
+def sts_f32_if(flag, saddr, value):
+    """st.shared of one f32 when `flag` is true, predicated (no branch)."""
+    asm("{ .reg .pred p; setp.ne.u32 p, $2, 0; @p st.shared.f32 [$0], $1; }", (),
+        ((Int32, saddr), (Float32, value), (Int32, Int32(flag))))
+
+
+# --- tensor cores --------------------------------------------------------------------------
+
+
+def ldmatrix_x4(saddr):
+    """Four 8x8 b16 matrices from shared memory: lane i gives the address of row i % 8 of matrix
+    i // 8 (16 contiguous bytes); word j of lane l holds row l // 4, columns 2 (l % 4), +1 of
+    matrix j: with matrices (A rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15),
+    (rows 8-15, k 8-15) that is the A operand of mma_bf16."""
+    return asm("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];", _U4, ((Int32, saddr),))
+
+
+def mma_bf16(a, b, c):
+    """c + A @ B, m16n8k16: A [16, 16] bf16 (4 words, ldmatrix_x4 order), B [16 k, 8 n] bf16
+    (2 words: k 2 (l % 4), +1 and +8, +9 of column l // 4), c/result [16, 8] f32 (4 values:
+    row l // 4, columns 2 (l % 4), +1, then row l // 4 + 8). bf16 products are exact in f32;
+    the tensor core adds them in its own order (f32 accumulation)."""
+    return asm(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7},"
+        " {$8, $9}, {$10, $11, $12, $13};",
+        (Float32,) * 4,
+        tuple((Uint32, w) for w in a) + tuple((Uint32, w) for w in b) + tuple((Float32, v) for v in c),
+    )
 
 
 # --- barriers, mbarriers, distributed shared memory ----------------------------------------
@@ -332,6 +370,10 @@ def shfl_bfly(value, mask: int):
     return asm(
         f"shfl.sync.bfly.b32 $0, $1, {mask}, 31, -1;", (Float32,), ((Float32, value),)
     )
+
+
+def min_i32(a, b):
+    return asm("min.s32 $0, $1, $2;", (Int32,), ((Int32, a), (Int32, b)))
 
 
 def select_f32(flag, if_set, if_clear):
