@@ -60,7 +60,17 @@ PARITY_SMALL = tuple(c for c in PARITY if c.T <= 3 and not c.twoshot)[:8]
 
 # The GPU check sweep adds the large token counts at the production shape.
 CHECK_T = (1, 3, 8, 64, 512, 4096)
-GPU_CHECKS = PARITY + tuple(Config(TP, t, 8) for t in CHECK_T if t not in (1, 3, 64))
+# Every NB strictly between 1 and 8 once (the CuTe kernel's exchanged statistics and its
+# tensor-core operand rows depend on NB), at R=16 so that no extra cubin is needed.
+MID_NB = (
+    Config(16, 1, 2),
+    Config(16, 3, 3, groups=2),
+    Config(16, 3, 4, has_delta=False),
+    Config(16, 8, 5, groups=3, xmoe_replicas=1),
+    Config(16, 3, 6, groups=1),
+    Config(16, 64, 7),
+)
+GPU_CHECKS = PARITY + tuple(Config(TP, t, 8) for t in CHECK_T if t not in (1, 3, 64)) + MID_NB
 
 # Timed configuration (issues 3 and 4): R=16, NB=8, has_delta, groups=4.
 BENCH_T = (1, 8, 64, 512, 4096)
