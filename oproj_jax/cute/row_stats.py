@@ -25,7 +25,6 @@ from cutlass import Float32
 from oproj_jax.cute import primitives as P
 
 STRIDE = 64  # f32 slots per warp / per CTA in the exchange arrays (54 used at NB = 8)
-WARPS = 4
 STEPS = 16  # mma k-steps per warp: 256 elements, 16 each
 
 
