@@ -161,6 +161,19 @@ def ld_poll4(addr):
     return asm("ld.volatile.global.v4.b32 {$0, $1, $2, $3}, [$4];", _U4, ((Int64, addr),))
 
 
+def ld_first4(addr, ready):
+    """First-round mailbox load. `ready` != 0: the slot is complete before the launch (ready
+    mode), so a non-coherent load through the read-only path is safe and issues faster than the
+    volatile one (LDG.CONSTANT vs LDG.STRONG.SYS); else the polling load above."""
+    return asm(
+        "{ .reg .pred p; setp.ne.s32 p, $5, 0;"
+        " @p ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$4];"
+        " @!p ld.volatile.global.v4.b32 {$0, $1, $2, $3}, [$4]; }",
+        _U4,
+        ((Int64, addr), (Int32, ready)),
+    )
+
+
 def ld_poll4_if(pred, addr, old):
     """Predicated polling load: reload the 4 words when `pred` != 0, else keep `old`."""
     return asm(

@@ -80,8 +80,7 @@ def warp_stats(kernel, smem, p, p_words, weight, t, warp, lane):
     row = odd * upper + (1 - odd) * (4 + r % NB)
     # the swizzle (kernel.chunk) permutes 16-byte chunks within a 128-byte line only: 4 lane
     # addresses serve all 16 steps (+128 bytes per line)
-    base = smem + L.pf + row * kernel.row_bytes + warp * 512
-    addrs = [base + ((2 * j + matrix // 2) ^ (row % 8)) * 16 for j in range(4)]
+    addrs = [kernel.chunk(smem, row, warp * 32 + 2 * j + matrix // 2) for j in range(4)]
     words = [P.ldmatrix_x4(addrs[k % 4] + (k // 4) * 128) for k in range(STEPS)]
     acc = [[Float32(0.0)] * 4 for _ in range(2)]  # two accumulators: two mma chains
     for k in range(STEPS):
