@@ -48,10 +48,9 @@ nothing is re-armed, so the mailbox is only read and may hold real -0.0 values. 
 adds +0.0 last, which turns an all-(-0.0) sum into +0.0 exactly as summing published data
 (-0 -> +0) would, and leaves every other sum unchanged: the prefix bits match either way.
 From READY_NC_MIN_T tokens on, those one-shot loads are non-coherent (ld.global.nc: the data
-cannot change during the kernel, which is what .nc requires): they issue faster than the
-volatile polling load, which at T=64 shortened the kernel by about 1.2 us in a phase trace on
-the H200 (the CTAs' median span 11646 -> 9376 cycles), while at T=1 it cost ~0.1 us; so few
-tokens keep the volatile load.
+cannot change during the kernel, which is what .nc requires). In A/B runs on the H200
+(results README run 12; profiler kernel time, L2-cold) that took T=64 from 9.26-9.37 to
+9.20-9.23 us but cost 0.1-0.2 us at T=16 and T=32: fewer tokens keep the volatile load.
 """
 
 from __future__ import annotations
@@ -75,7 +74,7 @@ TRACE_MARKS = ("entry", "pdl_wait", "loads_issued", "cluster_sync", "smem_rows",
                "stats_sent", "stats_received", "totals", "mixed", "stored")
 TRACE_GLOBAL = {"entry": TRACE_SLOTS - 2, "stored": TRACE_SLOTS - 1}  # marks that also store %globaltimer
 TWOSHOT_CHUNK = 8  # recv slots polled at once by a twoshot reducer thread
-READY_NC_MIN_T = 16  # ready mode loads the mailbox non-coherently from this many tokens on
+READY_NC_MIN_T = 64  # ready mode loads the mailbox non-coherently from this many tokens on
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -319,14 +318,18 @@ class OprojConsumer:
             self.prefetch(smem, 2, t, out_norm + cta * 2)
             if cutlass.const_expr(self.has_delta):
                 self.prefetch(smem, 3, t, prefix + (Int64(token) * H + cta) * 2)
-            for b in cutlass.range_constexpr(NB):
-                self.prefetch(smem, 4 + b, t, blocks + ((Int64(token) * NB + b) * H + cta) * 2)
-            P.cp_async_commit()
+            P.cp_async_commit()  # group 1: what the rank sum needs (prefix) and the weights
             if cutlass.const_expr(not self.twoshot):
                 for k in cutlass.range_constexpr(first_slots):  # first polling round, early
                     words = P.ld_first4(frag + k * slot_stride, ready_nc)
                     for j in cutlass.range_constexpr(4):
                         raw[4 * k + j] = words[j]
+            # group 2: the blocks, needed only after the rank sum. Waiting for group 1 alone lets
+            # the rank sum run while they land (ptxas still issues them before the mailbox
+            # loads; the split wait is what gains: T=64 -0.1 us, results README run 12)
+            for b in cutlass.range_constexpr(NB):
+                self.prefetch(smem, 4 + b, t, blocks + ((Int64(token) * NB + b) * H + cta) * 2)
+            P.cp_async_commit()
         elif cutlass.const_expr(not self.fold):
             for g in cutlass.range_constexpr(1, self.poll_groups):
                 if group == g:  # first polling round of group g's slots, early
@@ -354,7 +357,8 @@ class OprojConsumer:
         mark("cluster_sync")
 
         if group == 0:
-            P.cp_async_wait_all()  # each thread reads back only its own chunks: no barrier
+            # group 1 landed; each thread reads back only its own chunks: no barrier
+            P.cp_async_wait_group(1)
             mark("smem_rows")
             if cutlass.const_expr(NB > 0):  # w = norm * query, split for the tensor cores
                 row_stats.split_weight(self, smem, t)
@@ -396,6 +400,7 @@ class OprojConsumer:
 
             if cutlass.const_expr(NB > 0):
                 # -- every row statistic, one cluster exchange (row_stats) -------------------
+                P.cp_async_wait_all()  # the blocks
                 weight = row_stats.read_weight(self, smem, t)
                 row_stats.warp_stats(self, smem, p, p_words, weight, t, warp, lane)
                 P.bar_sync(1, THREADS)

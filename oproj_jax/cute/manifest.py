@@ -98,7 +98,7 @@ class Build(NamedTuple):
 #   grouped, no bound (512 threads, 64 registers)          3.19 / 10.7 / 418
 #   grouped, min_ctas=3 (40 registers, a few spilled B)    3.6  / 11.1 / 422
 #   folded, no bound (128 threads, 127 registers)          3.10 / 9.0  / 358
-# (since run 10 the kernel has one cluster exchange: folded 121 registers, 2.88 / 9.17 / 363)
+# (since run 10 the kernel has one cluster exchange; run 13: folded 122 registers, 2.90 / 8.84 / 358)
 # Ready mode (XLA produced the mailbox: nothing to poll) uses the folded build at every T.
 # Protocol mode keeps the seed's grouped polling (128 * groups threads, a group per rank
 # range), unbounded up to LARGE_T tokens and bounded above.

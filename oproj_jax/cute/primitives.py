@@ -247,6 +247,11 @@ def cp_async_commit():
     asm("cp.async.commit_group;")
 
 
+def cp_async_wait_group(pending: int):
+    """Wait until at most `pending` of this thread's newest cp.async groups are in flight."""
+    asm(f"cp.async.wait_group {pending};")
+
+
 def cp_async_wait_all():
     asm("cp.async.wait_group 0;")
 

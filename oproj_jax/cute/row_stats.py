@@ -25,6 +25,7 @@ from cutlass import Float32
 from oproj_jax.cute import primitives as P
 
 STRIDE = 64  # f32 slots per warp / per CTA in the exchange arrays (54 used at NB = 8)
+CHAINS = 4  # independent mma chains per warp: 4 beat 2 and 8 on the H200 (results README, run 12)
 STEPS = 16  # mma k-steps per warp: 256 elements, 16 each
 
 
@@ -82,11 +83,13 @@ def warp_stats(kernel, smem, p, p_words, weight, t, warp, lane):
     # addresses serve all 16 steps (+128 bytes per line)
     addrs = [kernel.chunk(smem, row, warp * 32 + 2 * j + matrix // 2) for j in range(4)]
     words = [P.ldmatrix_x4(addrs[k % 4] + (k // 4) * 128) for k in range(STEPS)]
-    acc = [[Float32(0.0)] * 4 for _ in range(2)]  # two accumulators: two mma chains
+    acc = [[Float32(0.0)] * 4 for _ in range(CHAINS)]  # independent mma chains
     for k in range(STEPS):
         a = words[k]
-        acc[k % 2] = list(P.mma_bf16(a, (a[0], a[2]), acc[k % 2]))
-    c = [P.add_rn(x, y) for x, y in zip(*acc)]  # C[quad][2 pair + k], C[quad + 8][2 pair + k]
+        acc[k % CHAINS] = list(P.mma_bf16(a, (a[0], a[2]), acc[k % CHAINS]))
+    while len(acc) > 1:  # pairwise
+        acc = [[P.add_rn(x, y) for x, y in zip(acc[i], acc[i + 1])] for i in range(0, len(acc), 2)]
+    c = acc[0]  # C[quad][2 pair + k], C[quad + 8][2 pair + k]
     quad, pair = lane // 4, lane % 4
     out = smem + L.wpre + warp * STRIDE * 4
     gram_row = (quad * (2 * NB + 1 - quad)) >> 1  # S.gram(quad, quad), quad dynamic
