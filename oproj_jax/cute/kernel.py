@@ -5,13 +5,13 @@ group 0 in CTA c owns the 8 contiguous elements h = (c*128 + i)*8 .. +7 of the h
 
 Timeline of one CTA:
   all      PDL trigger, PDL wait
-  group 0  cp.async its slices of norm, query, out_norm, prefix (has_delta), blocks -> smem;
-           issues the first polling loads of its rank slots
+  group 0  cp.async its slices of norm, query, out_norm, prefix (has_delta) -> smem (group 1),
+           issues the first polling loads of its rank slots, then cp.async the blocks (group 2)
   all      while those loads are in flight: thread 0 inits the exchange mbarrier, then the
            cluster barrier (peers may deliver into it after it)
   group g  polls ranks g*S .. g*S+S-1 (S = ceil(R/G)), sums them in rank order, hands the
            f32 partial sum to group 0 through smem (named barrier 2), re-arms its slots
-  group 0  splits w = norm * query into two bf16 rows; sums its slots, then adds group 1, 2,
+  group 0  once group 1 landed, splits w = norm * query into two bf16 rows; sums its slots, then adds group 1, 2,
            ... in group order (the prefix bits), rounds, writes prefix, re-arms; then every row
            statistic of its slice (row_stats: the blocks' Gram matrix, b.w, b.p on the tensor
            cores; p.p, p.w as 8-wide dots and a warp butterfly), 4 warps via smem, one exchange

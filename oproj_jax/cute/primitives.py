@@ -253,7 +253,7 @@ def cp_async_wait_group(pending: int):
 
 
 def cp_async_wait_all():
-    asm("cp.async.wait_group 0;")
+    cp_async_wait_group(0)
 
 
 def lds4(saddr):
