@@ -14,7 +14,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m oproj_jax.build", description=__doc__.splitlines()[0])
     parser.add_argument("--ffi-only", action="store_true", help="skip the CuTe-DSL cubins")
     args = parser.parse_args(argv)
-    from oproj_jax import ffi
+    from oproj_jax.cute import ffi
 
     print(f"oproj_jax.build: FFI library -> {ffi.build_library()}", flush=True)
     if not args.ffi_only:

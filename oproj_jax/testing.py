@@ -13,7 +13,8 @@ OUTPUT_REL_L2_TOL = 4e-3
 
 
 def output_f64(prefix, blocks, norm, query, out_norm, *, eps, out_eps) -> np.ndarray:
-    """SPEC's output in f64 from a given (bf16) prefix: the part after the prefix rounding point."""
+    """The output of docs/spec.md in f64 from a given (bf16) prefix: the part after the prefix
+    rounding point."""
     p = np.asarray(prefix, np.float64)  # [T, H]
     src = np.concatenate([np.asarray(blocks, np.float64), p[:, None, :]], axis=1)  # [T, NB+1, H]
     H = p.shape[-1]
@@ -34,3 +35,30 @@ def rel_l2(got, want) -> float:
 def bits(x) -> np.ndarray:
     """The raw bf16 bit patterns, for bit-exact comparisons (-0.0 != +0.0, NaN == NaN)."""
     return np.asarray(x).view(np.uint16)
+
+
+def custom_calls_in_command_buffers(thunks: str) -> int:
+    """kCustomCall thunks nested under a kCommandBuffer thunk in XLA's thunk-sequence dump
+    (`--xla_dump_to`, *thunk_sequence_after_thunk_passes.txt): the calls XLA puts into a CUDA
+    graph. Command buffers are formed on the thunk sequence, after HLO optimization, so an
+    HLO dump never shows them."""
+    inside, count, indent = False, 0, 0
+    for line in thunks.splitlines():
+        depth = len(line) - len(line.lstrip())
+        if "kCommandBuffer" in line:
+            inside, indent = True, depth
+        elif inside and line.strip() and depth <= indent:
+            inside = False
+        elif inside and "kCustomCall" in line:
+            count += 1
+    return count
+
+
+def thunk_sequence(dump_dir, module: str) -> str:
+    """The thunk-sequence dump of the jitted function named `module` in an XLA dump directory."""
+    import pathlib
+
+    paths = sorted(pathlib.Path(dump_dir).glob(f"*{module}*thunk_sequence_after_thunk_passes.txt"))
+    if not paths:
+        raise FileNotFoundError(f"no thunk sequence of {module!r} in {dump_dir}")
+    return paths[0].read_text()

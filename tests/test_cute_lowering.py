@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import oproj_jax
-from oproj_jax import configs, ffi, reference
+from oproj_jax import configs, reference
+from oproj_jax.cute import ffi
 from oproj_jax.api import Dims
 from oproj_jax.cute import backend
 
@@ -63,8 +64,35 @@ def custom_calls(text: str, target: str) -> list[str]:
 
 def test_library_builds_and_exports_the_handlers(library):
     lib = ctypes.CDLL(str(library))
-    for initialize, execute in ffi.SYMBOLS.values():
-        assert getattr(lib, initialize) and getattr(lib, execute)  # AttributeError if not exported
+    assert getattr(lib, ffi.BOOTSTRAP_SYMBOL)
+    for stages in ffi.SYMBOLS.values():
+        for symbol in (stages.initialize, stages.execute, stages.record):
+            if symbol is not None:
+                assert getattr(lib, symbol)  # AttributeError if not exported
+
+
+@pytest.mark.parametrize("registration", ffi.REGISTRATIONS)
+def test_stage_table(registration):
+    """What the bootstrap call registers per mode: graph nodes through the record stage
+    ("record"), traced execute ("traced", initialize loads the module outside the capture),
+    or plain launches outside command buffers ("direct")."""
+    symbols, traits = ffi._stage_table(registration)
+    assert len(symbols) == 5 * len(ffi.SYMBOLS) and len(traits) == len(ffi.SYMBOLS)
+    for i, stages in enumerate(ffi.SYMBOLS.values()):
+        instantiate, prepare, initialize, execute, record = symbols[5 * i: 5 * i + 5]
+        assert (instantiate, prepare, execute) == (None, None, stages.execute)
+        graph = stages.command_buffer and registration != "direct"
+        assert traits[i] == int(graph)
+        assert record == (stages.record if graph and registration == "record" else None)
+        if graph and registration == "traced":
+            assert initialize == stages.initialize
+
+
+def test_every_graph_safe_target_has_a_record_stage():
+    """Inside XLA command buffers a target without a record stage is re-traced by stream capture
+    whenever its buffers move: the per-call host cost the record stage exists to remove."""
+    for name, stages in ffi.SYMBOLS.items():
+        assert (stages.record is not None) == stages.command_buffer, name
 
 
 def test_oneshot_lowers_to_our_custom_call(fake_cubins):
@@ -164,9 +192,11 @@ def test_unsupported_reasons(fake_cubins):
 
 
 def test_cute_on_cpu_raises_through_the_public_api():
+    """Arrays placed on the CPU (explicitly: on a GPU machine JAX's default device is the GPU)."""
     x = configs.make_inputs(configs.Config(2, 1, 0, groups=1))
-    args = [x[k] for k in ("mailbox", "prefix", "blocks", "norm", "query", "out_norm")]
+    cpu = jax.devices("cpu")[0]
+    args = [jax.device_put(x[k], cpu) for k in ("mailbox", "prefix", "blocks", "norm", "query", "out_norm")]
     with pytest.raises(ValueError, match="backend='cute' cannot run here: the CuTe kernel runs on NVIDIA CUDA"):
-        oproj_jax.consumer(*[jnp.asarray(a) for a in args], groups=1, backend="cute")
+        oproj_jax.consumer(*args, groups=1, backend="cute")
     with pytest.raises(ValueError, match="backend 'cute' cannot run here"):
-        backend.consume(*[jnp.asarray(a) for a in args], groups=1, has_delta=True)
+        backend.consume(*args, groups=1, has_delta=True)

@@ -9,11 +9,13 @@ oproj_jax.reference (same summation order), the output with testing.output_f64 (
 from __future__ import annotations
 
 import json
+import pathlib
 import re
 import unittest.mock
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -289,3 +291,51 @@ def test_profiler_runs_on_the_gpu_and_is_refused_in_interpret_mode(tmp_path):
     names = {event["name"] for event in json.loads(trace.read_text())["traceEvents"]}
     assert {"rank_sum", "online_softmax", "output"} <= names, names
 
+
+
+_PALLAS_CHAIN = """
+import sys, jax, numpy as np
+from oproj_jax import api, configs
+config = configs.Config(16, 3, 8)
+x = configs.make_inputs(config, 0)
+kw = dict(eps=1e-6, out_eps=1e-6, has_delta=True, groups=4, xmoe_replicas=0)
+@jax.jit
+def pallas_steps(mailbox, prefix, blocks, norm, query, out_norm):
+    a = api.consumer(mailbox, prefix, blocks, norm, query, out_norm, backend="pallas", **kw)
+    b = api.consumer(mailbox, a.prefix, blocks, norm, query, out_norm, backend="pallas", **kw)
+    return a.prefix, b.prefix, b.output
+args = [jax.device_put(x[k]) for k in ("mailbox", "prefix", "blocks", "norm", "query", "out_norm")]
+np.save(sys.argv[1], np.stack([np.asarray(v) for v in pallas_steps(*args)]).view(np.uint16))
+"""
+
+
+_CHAIN_OPTIONS = dict(eps=1e-6, out_eps=1e-6, has_delta=True, groups=4, xmoe_replicas=0)
+
+
+def test_xla_command_buffer(gpu, tmp_path):
+    """Two Pallas calls inside an XLA command buffer (the thunk sequence shows them there), with
+    the same results as the reference."""
+    import os
+    import subprocess
+    import sys
+
+    dump, out = tmp_path / "dump", tmp_path / "out.npy"
+    env = dict(os.environ, XLA_FLAGS=f"--xla_gpu_graph_min_graph_size=1 --xla_dump_to={dump}",
+               XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONPATH=str(pathlib.Path(__file__).parents[1]))
+    done = subprocess.run([sys.executable, "-c", _PALLAS_CHAIN, str(out)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    first, second, output = np.load(out).view(ml_dtypes.bfloat16)
+    config = configs.Config(16, 3, 8)
+    x = {k: jax.device_put(v, jax.devices("cpu")[0]) for k, v in configs.make_inputs(config, 0).items()}
+    ref = reference.consumer(*(jnp.asarray(x[k]) for k in ("mailbox", "prefix", "blocks", "norm", "query",
+                                                            "out_norm")), **_CHAIN_OPTIONS)
+    np.testing.assert_array_equal(testing.bits(first), testing.bits(ref.prefix))
+    ref2 = reference.consumer(jnp.asarray(x["mailbox"]), ref.prefix, *(jnp.asarray(x[k]) for k in
+                              ("blocks", "norm", "query", "out_norm")), **_CHAIN_OPTIONS)
+    np.testing.assert_array_equal(testing.bits(second), testing.bits(ref2.prefix))
+    err = testing.rel_l2(np.asarray(output, np.float64), testing.output_f64(
+        np.asarray(ref2.prefix), x["blocks"], x["norm"], x["query"], x["out_norm"], eps=1e-6, out_eps=1e-6))
+    assert err < testing.OUTPUT_REL_L2_TOL
+    thunks = testing.thunk_sequence(dump, "pallas_steps")
+    assert testing.custom_calls_in_command_buffers(thunks) == 2, thunks[:3000]

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oproj_jax import ffi
+from oproj_jax.cute import ffi
 from oproj_jax.api import ConsumerResult, Dims, check_arguments
 from oproj_jax.cute import manifest as cute_manifest
 from oproj_jax.reference import without_negative_zero

@@ -1,0 +1,133 @@
+// What every FFI target of the library shares: the CUDA driver (dlopen'ed libcuda), error
+// formatting, the per-context module cache and the cluster launch of a CuTe cubin.
+#pragma once
+
+#include <dlfcn.h>
+#include <cuda.h>
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+#include "xla/ffi/api/c_api.h"
+#include "xla/ffi/api/ffi.h"
+#include "xla/ffi/api/record_api.h"
+
+namespace oproj {
+
+namespace ffi = xla::ffi;
+
+
+constexpr unsigned kCluster = 7;  // CTAs per token: 7 * 128 threads * 8 elements = H = 7168
+
+// ---- the driver, through dlopen (the JAX CUDA plugin has already mapped libcuda) ----------
+struct Driver {
+  decltype(&::cuGetErrorName) GetErrorName = nullptr;
+  decltype(&::cuGetErrorString) GetErrorString = nullptr;
+  decltype(&::cuCtxGetCurrent) CtxGetCurrent = nullptr;
+  decltype(&::cuModuleLoadData) ModuleLoadData = nullptr;
+  decltype(&::cuModuleGetFunction) ModuleGetFunction = nullptr;
+  decltype(&::cuFuncSetAttribute) FuncSetAttribute = nullptr;
+  CUresult (*LaunchKernelEx)(const CUlaunchConfig*, CUfunction, void**, void**) = nullptr;
+  decltype(&::cuMemcpyDtoDAsync) MemcpyDtoDAsync = nullptr;
+  // mode="peer" (peer_ffi.cc): the group's mailboxes, allocated and armed once per group
+  decltype(&::cuDeviceGet) DeviceGet = nullptr;
+  decltype(&::cuDeviceCanAccessPeer) DeviceCanAccessPeer = nullptr;
+  decltype(&::cuDevicePrimaryCtxRetain) DevicePrimaryCtxRetain = nullptr;
+  decltype(&::cuCtxGetDevice) CtxGetDevice = nullptr;
+  decltype(&::cuCtxPushCurrent) CtxPushCurrent = nullptr;
+  decltype(&::cuCtxPopCurrent) CtxPopCurrent = nullptr;
+  decltype(&::cuCtxEnablePeerAccess) CtxEnablePeerAccess = nullptr;
+  decltype(&::cuMemAlloc) MemAlloc = nullptr;
+  decltype(&::cuMemFree) MemFree = nullptr;
+  decltype(&::cuMemsetD32Async) MemsetD32Async = nullptr;
+  decltype(&::cuStreamCreate) StreamCreate = nullptr;
+  decltype(&::cuStreamSynchronize) StreamSynchronize = nullptr;
+  decltype(&::cuStreamDestroy) StreamDestroy = nullptr;
+  std::string error;  // empty when every symbol resolved
+
+  Driver() {
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) {
+      error = std::string("dlopen(libcuda.so.1) failed: ") + dlerror();
+      return;
+    }
+    auto resolve = [&](auto& fn, const char* name) {
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name));
+      if (!fn) error += std::string(" missing symbol ") + name;
+    };
+    resolve(GetErrorName, "cuGetErrorName");
+    resolve(GetErrorString, "cuGetErrorString");
+    resolve(CtxGetCurrent, "cuCtxGetCurrent");
+    resolve(ModuleLoadData, "cuModuleLoadData");
+    resolve(ModuleGetFunction, "cuModuleGetFunction");
+    resolve(FuncSetAttribute, "cuFuncSetAttribute");
+    resolve(LaunchKernelEx, "cuLaunchKernelEx");
+    resolve(MemcpyDtoDAsync, "cuMemcpyDtoDAsync_v2");
+    resolve(DeviceGet, "cuDeviceGet");
+    resolve(DeviceCanAccessPeer, "cuDeviceCanAccessPeer");
+    resolve(DevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain");
+    resolve(CtxGetDevice, "cuCtxGetDevice");
+    resolve(CtxPushCurrent, "cuCtxPushCurrent_v2");
+    resolve(CtxPopCurrent, "cuCtxPopCurrent_v2");
+    resolve(CtxEnablePeerAccess, "cuCtxEnablePeerAccess");
+    resolve(MemAlloc, "cuMemAlloc_v2");
+    resolve(MemFree, "cuMemFree_v2");
+    resolve(MemsetD32Async, "cuMemsetD32Async");
+    resolve(StreamCreate, "cuStreamCreate");
+    resolve(StreamSynchronize, "cuStreamSynchronize");
+    resolve(StreamDestroy, "cuStreamDestroy_v2");
+  }
+};
+
+inline Driver& driver() {
+  static Driver d;
+  return d;
+}
+
+// "<kernel entry>: <call>: CUDA_ERROR_X (description)"
+inline ffi::Error CudaError(CUresult result, std::string_view entry, std::string_view call) {
+  const char* name = nullptr;
+  const char* text = nullptr;
+  if (driver().GetErrorName) driver().GetErrorName(result, &name);
+  if (driver().GetErrorString) driver().GetErrorString(result, &text);
+  return ffi::Error::Internal(std::string(entry) + ": " + std::string(call) + ": " +
+                              (name ? name : "CUDA error " + std::to_string(int(result))) + " (" +
+                              (text ? text : "no description") + ")");
+}
+
+// ---- module cache and launch (common.cc) ------------------------------------------------------
+// The kernel of (current context, cubin path, entry), loaded on first use and cached for the
+// process; max dynamic shared memory and the non-portable cluster size are set on load.
+ffi::ErrorOr<CUfunction> GetFunction(std::string_view cubin, std::string_view entry, int64_t smem);
+
+struct LaunchSpec {
+  std::string_view cubin, entry;
+  int64_t smem, block;
+  bool pdl;
+  int64_t tokens;
+};
+
+// cuLaunchKernelEx of grid (kCluster, tokens), cluster (kCluster, 1, 1), PDL when spec.pdl.
+ffi::Error Launch(CUstream stream, const LaunchSpec& spec, void** params);
+
+// The bytes of a cubin file, read once and kept for the process (the record stage hands them to
+// XLA, which loads its own module from them).
+ffi::ErrorOr<const std::string*> CubinImage(std::string_view cubin, std::string_view entry);
+
+// ---- the record stage ---------------------------------------------------------------------------
+// XLA's command-buffer recording API (xla/ffi/api/record_api.h): a handler's record stage adds
+// kernel / memcpy nodes to XLA's CUDA graph and later updates their arguments in place.
+using RecordContext = ffi::internal::RecordContextBase<ffi::internal::ErrorPolicy>;
+struct RecordExtension : ffi::internal::RecordExtensionBase<RecordContext> {};
+
+// ---- target registration --------------------------------------------------------------------------
+// jax.ffi.register_ffi_target passes only the instantiate/prepare/initialize/execute stages to
+// the CUDA plugin, not the record stage. So Python registers and runs one bootstrap call,
+// OprojRegisterTargets (common.cc), on a CUDA device; its attributes carry the library's target
+// table (names, the five stage handlers of each as addresses, traits: oproj_jax/cute/ffi.py),
+// which it hands to the XLA runtime's XLA_FFI_Handler_Register.
+
+}  // namespace oproj

@@ -1,0 +1,232 @@
+"""The XLA FFI library that launches the CuTe cubins: build it, load it once, register its targets.
+
+The C++ sources in `oproj_jax/cute/csrc/` are built with g++ alone into one library, against
+the headers of the jaxlib in use (`jax.ffi.include_dir()`: build with the oldest jaxlib you
+run, the FFI API version is checked) and `cuda.h` for types; libcuda is opened at run time.
+Build it with
+
+    python -m oproj_jax.build --ffi-only     (or: python -m oproj_jax.cute.ffi [--out DIR])
+
+(default oproj_jax/_lib/liboproj_ffi.so, git-ignored). The targets are registered lazily, the
+first time a cute call is traced (`register_targets()`).
+
+Registration. Each target has an execute stage (a launch on XLA's stream) and a record stage:
+inside an XLA command buffer (a CUDA graph) the record stage adds the kernel as a graph node and
+later only updates its arguments, where a handler without one is re-traced by stream capture
+whenever its buffers move (several microseconds per call on the host, more than the kernel at
+decode sizes). `jax.ffi.register_ffi_target` does not pass a record stage to the CUDA plugin,
+so the library registers its targets itself: one bootstrap custom call
+(`OprojRegisterTargets`, csrc/common.h), run once per process on a CUDA device, hands the
+library's target table to the XLA runtime that runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import threading
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+ONESHOT_TARGET = "oproj_cute_consumer"
+TWOSHOT_TARGET = "oproj_cute_consumer_twoshot"
+READY_TARGET = "oproj_cute_consumer_ready"  # XLA-produced mailbox: read once, no polling, no re-arm
+PEER_TARGET = "oproj_cute_peer"  # mode="peer": publish into the group's mailboxes, then consume (peer_ffi.cc)
+BOOTSTRAP_TARGET = "oproj_cute_register_targets"
+BOOTSTRAP_SYMBOL = "OprojRegisterTargets"
+
+
+class Stages(NamedTuple):
+    """A target's exported handler symbols per execution stage (None: the stage is not used)."""
+
+    initialize: str | None
+    execute: str
+    record: str | None  # inside XLA command buffers: graph nodes, updated in place
+    command_buffer: bool  # XLA may put the call into a command buffer (the handler is graph-safe)
+
+
+# The library's targets: the one table both registration paths read.
+SYMBOLS = {
+    ONESHOT_TARGET: Stages("OprojOneshotInitialize", "OprojOneshotExecute", "OprojOneshotRecord", True),
+    TWOSHOT_TARGET: Stages("OprojTwoshotInitialize", "OprojTwoshotExecute", "OprojTwoshotRecord", True),
+    READY_TARGET: Stages("OprojOneshotInitialize", "OprojReadyExecute", "OprojReadyRecord", True),
+    PEER_TARGET: Stages("OprojPeerInitialize", "OprojPeerExecute", "OprojPeerRecord", True),
+}
+# How the targets meet XLA's command buffers (CUDA graphs); set before the first cute call.
+#   "record"  graph-safe targets enter command buffers through their record stage: graph nodes
+#             with PDL edges, updated in place when XLA hands new buffers (the default);
+#   "traced"  the same targets without the record stage: XLA traces their execute stage by
+#             stream capture into a child graph, again whenever their buffers move;
+#   "direct"  no target enters a command buffer: each call is launched on the stream by its
+#             execute stage, between XLA's graphs.
+# The last two exist for A/B measurements (benchmarks/record.py, python -m oproj_jax.bench
+# --registration); docs/perf.md has what each costs.
+REGISTRATIONS = ("record", "traced", "direct")
+REGISTRATION = "record"
+
+_HERE = pathlib.Path(__file__).resolve().parent
+SOURCE_DIR = _HERE / "csrc"
+DEFAULT_LIBRARY = _HERE.parent / "_lib" / "liboproj_ffi.so"
+BUILD_COMMAND = "python -m oproj_jax.build --ffi-only"
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_registered = False
+
+
+def cuda_include_dir() -> pathlib.Path | None:
+    """A directory holding cuda.h: $CUDA_HOME, /usr/local/cuda, or the nvidia-cuda-runtime wheel."""
+    candidates = [pathlib.Path(os.environ[v]) / "include" for v in ("CUDA_HOME", "CUDA_PATH") if v in os.environ]
+    candidates.append(pathlib.Path("/usr/local/cuda/include"))
+    try:
+        import nvidia  # namespace package of the CUDA wheels
+
+        for root in nvidia.__path__:
+            candidates += [pathlib.Path(root) / sub / "include" for sub in ("cu13", "cuda_runtime")]
+    except ImportError:
+        pass
+    return next((d for d in candidates if (d / "cuda.h").is_file()), None)
+
+
+def build_library(out_dir: str | os.PathLike | None = None) -> pathlib.Path:
+    """Compiles csrc/*.cc into `out_dir`/liboproj_ffi.so (default oproj_jax/_lib/); returns its path."""
+    target = DEFAULT_LIBRARY if out_dir is None else pathlib.Path(out_dir) / DEFAULT_LIBRARY.name
+    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    if compiler is None:
+        raise RuntimeError("building the FFI library needs g++ (or $CXX) on PATH; none was found")
+    sources = sources_list()
+    if not sources:
+        raise RuntimeError(f"no FFI sources (*.cc) in {SOURCE_DIR}: the package installation is incomplete")
+    cuda_include = cuda_include_dir()
+    if cuda_include is None:
+        raise RuntimeError(
+            "cuda.h not found (tried $CUDA_HOME/include, /usr/local/cuda/include and the nvidia-cuda-runtime "
+            "wheel): install the CUDA toolkit headers or `pip install nvidia-cuda-runtime`"
+        )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(f".{os.getpid()}.tmp")
+    # No -fvisibility=hidden: the handler symbols must stay exported.
+    command = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", "-Wall",
+               f"-I{jax.ffi.include_dir()}", f"-I{cuda_include}", *map(str, sources), "-o", str(partial), "-ldl"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        partial.unlink(missing_ok=True)
+        raise RuntimeError(f"building {target.name} failed ({' '.join(command)}):\n{done.stderr}")
+    os.replace(partial, target)  # atomic: a concurrent loader never sees half a file
+    return target
+
+
+def sources_list() -> list[pathlib.Path]:
+    """The C++ translation units of the library, in a fixed order."""
+    return sorted(SOURCE_DIR.glob("*.cc"))
+
+
+def library_path() -> pathlib.Path:
+    """Where the library is loaded from: $OPROJ_JAX_FFI_LIBRARY, else the default build output."""
+    return pathlib.Path(os.environ.get("OPROJ_JAX_FFI_LIBRARY", DEFAULT_LIBRARY))
+
+
+def unavailable_reason() -> str | None:
+    """None if the library is built, else what to run."""
+    path = library_path()
+    if not path.is_file():
+        return f"the FFI library is not built ({path} missing): run `{BUILD_COMMAND}`"
+    return None
+
+
+def load_library() -> ctypes.CDLL:
+    """The built library, loaded once per process."""
+    global _library
+    with _lock:
+        if _library is None:
+            reason = unavailable_reason()
+            if reason:
+                raise RuntimeError(reason)
+            _library = ctypes.CDLL(str(library_path()))
+        return _library
+
+
+def _cuda_devices() -> list:
+    try:
+        return jax.devices("cuda")
+    except RuntimeError:
+        return []
+
+
+def _address(library: ctypes.CDLL, symbol: str | None) -> int:
+    return 0 if symbol is None else ctypes.cast(getattr(library, symbol), ctypes.c_void_p).value
+
+
+def _stage_table(registration: str) -> tuple[list[str | None], list[int]]:
+    """The five stage symbols (instantiate, prepare, initialize, execute, record) per target,
+    flattened, and the traits per target, for a registration mode (see REGISTRATION)."""
+    handlers, traits = [], []
+    for stages in SYMBOLS.values():
+        graph = stages.command_buffer and registration != "direct"
+        record = stages.record if graph and registration == "record" else None
+        # With a record stage the initialize stage is left out: XLA runs initialize on every
+        # execution for every call site (host time per call), and such a target never needs its
+        # module loaded ahead: record hands XLA the cubin, and execute (outside command buffers,
+        # never captured) loads it on first use. A traced execute must not load it under
+        # capture: initialize does it first.
+        initialize = None if record or not graph and stages.record else stages.initialize
+        handlers += [None, None, initialize, stages.execute, record]
+        traits.append(int(graph))
+    return handlers, traits
+
+
+def _bootstrap(library: ctypes.CDLL, device, registration: str) -> None:
+    """Runs the bootstrap call once on `device`: the library registers SYMBOLS (stages per
+    `registration`) with the CUDA plugin's XLA runtime (csrc/common.h)."""
+    capsule = jax.ffi.pycapsule(getattr(library, BOOTSTRAP_SYMBOL))
+    jax.ffi.register_ffi_target(BOOTSTRAP_TARGET, capsule, platform="CUDA")
+    symbols, traits = _stage_table(registration)
+    attributes = dict(names=",".join(SYMBOLS), handlers=np.array([_address(library, s) for s in symbols], np.int64),
+                      traits=np.array(traits, np.int64))
+    call = jax.ffi.ffi_call(BOOTSTRAP_TARGET, jax.ShapeDtypeStruct((1,), np.uint32))
+    # Executed now, also when the first cute call is being traced inside a user's jit (a nested
+    # jit would be staged into that program instead of run): the targets must exist before XLA
+    # compiles the program that names them.
+    with jax.ensure_compile_time_eval(), jax.default_device(device):
+        compiled = jax.jit(lambda: call(**attributes)).lower().compile()
+        jax.block_until_ready(compiled())  # raises what the registration reported
+
+
+def register_targets() -> None:
+    """Registers every FFI target for the CUDA platform, once per process (see Registration)."""
+    global _registered
+    library = load_library()
+    with _lock:
+        if _registered:
+            return
+        if REGISTRATION not in REGISTRATIONS:
+            raise ValueError(f"oproj_jax.cute.ffi.REGISTRATION: expected one of {REGISTRATIONS}, got {REGISTRATION!r}")
+        devices = _cuda_devices()
+        if devices:
+            _bootstrap(library, devices[0], REGISTRATION)
+        else:  # lowering only (no device to run the bootstrap on): the record stage is never needed
+            for name, stages in SYMBOLS.items():
+                handlers = {"execute": jax.ffi.pycapsule(getattr(library, stages.execute))}
+                if stages.initialize:
+                    handlers["initialize"] = jax.ffi.pycapsule(getattr(library, stages.initialize))
+                jax.ffi.register_ffi_target(name, handlers, platform="CUDA", traits=int(stages.command_buffer))
+        _registered = True
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Build the oproj_jax XLA FFI library (g++).")
+    parser.add_argument("--out", help=f"output directory (default {DEFAULT_LIBRARY.parent})")
+    path = build_library(parser.parse_args(argv).out)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
