@@ -2,19 +2,27 @@
 
 Nothing here knows about kernels: every rank calls `api.consumer` on its own view, so every
 backend works sharded. This layer plays the producer: it publishes the partials (-0.0 stored
-as +0.0, SPEC "mailbox protocol") and moves them between ranks with XLA collectives.
+as +0.0, docs/spec.md "Mailbox protocol") and moves them between ranks with XLA collectives, except
+in mode "peer", where the CuTe backend's FFI handler moves them itself (oproj_jax/cute/peer.py).
 
 Modes (how the R partials reach each rank's consumer):
 
   "oneshot"  rank-ordered all-gather of the partials into a mailbox [R, T, H] on every rank,
              then the consumer with the caller's `groups` order. Bit-identical on every rank.
-  "twoshot"  reduce-scatter then gather (SPEC "Twoshot"): rank r receives every rank's column
+  "twoshot"  reduce-scatter then gather (docs/spec.md "Twoshot"): rank r receives every rank's column
              slice r ([R, T, H/R], all_to_all), sums it in f32 in rank order, rounds to bf16;
              the reduced slices are all-gathered into a one-slot mailbox [1, T, H]. The prefix
              bits equal oneshot's with groups=1. Bit-identical on every rank. Needs H % R == 0.
   "psum"     XLA's all-reduce (f32) of the partials, rounded to bf16 into a one-slot mailbox.
-             Its summation order is XLA's, not the seed's: the prefix may differ from the
+             Its summation order is XLA's, not the original kernel's: the prefix may differ from the
              reference by rounding (and, on GPU, between runs). A baseline, not bit-exact.
+  "peer"     no XLA collective: one FFI call per rank publishes its partial by peer writes into
+             a slot of every rank's mailbox (memory the handler owns) and runs the CuTe consumer
+             on its own mailbox with the Lamport protocol (oproj_jax/cute/peer.py). The prefix
+             bits equal oneshot's with the same `groups`, on every rank. Backend "cute" (or
+             "auto") on CUDA GPUs of this process only; anything else raises. Returns a
+             PeerResult: the fields of ConsumerResult plus `status` (one i32 per device), checked
+             on eager calls; under jit call oproj_jax.cute.peer.check_status(result.status).
 
 With a one-slot mailbox (twoshot, psum) the consumer runs with groups=1: `groups` only fixes
 oneshot's order (it is still validated in every mode).
@@ -35,9 +43,10 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from oproj_jax import api
+from oproj_jax.cute import peer
 from oproj_jax.reference import rank_sum, without_negative_zero
 
-MODES = ("oneshot", "twoshot", "psum")
+MODES = ("oneshot", "twoshot", "psum", "peer")
 
 # The consumer's options and their defaults (the same as api.consumer's).
 _DEFAULT_OPTIONS = dict(eps=1e-6, out_eps=1e-6, has_delta=True, groups=4, xmoe_replicas=0)
@@ -52,8 +61,9 @@ def _options(options: dict) -> dict:
     return {**_DEFAULT_OPTIONS, **options}
 
 
-def _check_layout(mesh, axis_name, mode, backend) -> int:
-    """Checks mesh, axis_name, mode and the backend's type; returns R, the size of the mesh axis."""
+def _check_layout(mesh, axis_name, mode, backend, peer_options) -> int:
+    """Checks mesh, axis_name, mode, the backend's type and peer_options; returns R, the size of
+    the mesh axis."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
     if axis_name not in mesh.axis_names:
@@ -62,6 +72,14 @@ def _check_layout(mesh, axis_name, mode, backend) -> int:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
     if not isinstance(backend, str):
         raise TypeError(f"backend: expected a str, got {type(backend).__name__}")
+    if peer_options is not None:
+        if mode != "peer":
+            raise ValueError(f"peer_options: only mode='peer' takes them, the mode is {mode!r}")
+        if not isinstance(peer_options, peer.PeerOptions):
+            raise TypeError(f"peer_options: expected oproj_jax.cute.peer.PeerOptions, got {type(peer_options).__name__}")
+        skip = peer_options.skip_publish_rank
+        if skip is not None and skip >= mesh.shape[axis_name]:
+            raise ValueError(f"peer_options: skip_publish_rank must be a rank < {mesh.shape[axis_name]}, got {skip}")
     return int(mesh.shape[axis_name])
 
 
@@ -72,7 +90,7 @@ def _check_ranks(R: int, ranks: int, mode: str, H: int, what: str) -> None:
         raise ValueError(f"{what}: twoshot splits H into R column slices; expected H % R == 0, got H={H}, R={R}")
 
 
-def _plan(mesh, axis_name, mode, backend, opts, dims: api.Dims, fused: bool):
+def _plan(mesh, axis_name, mode, backend, opts, dims: api.Dims, fused: bool, peer_options):
     """Resolves the backend for one rank's view on the mesh's platform (eagerly, so "auto" and
     errors follow the mesh's devices, not JAX's default backend) and returns the jitted layout."""
     consume_opts = dict(
@@ -82,10 +100,30 @@ def _plan(mesh, axis_name, mode, backend, opts, dims: api.Dims, fused: bool):
         groups=int(opts["groups"]) if mode == "oneshot" else 1,  # one slot: nothing to order
         xmoe_replicas=int(opts["xmoe_replicas"]),
     )
+    if mode == "peer":
+        consume_opts["groups"] = int(opts["groups"])
+        plan = _peer_plan(mesh, axis_name, backend, consume_opts, dims, peer_options or peer.PeerOptions())
+        return _sharded(mesh, axis_name, mode, "cute", tuple(sorted(consume_opts.items())), fused, dims.NB == 0, plan)
     view = dims._replace(R=dims.R if mode == "oneshot" else 1)  # each rank's mailbox
     platform = mesh.devices.flat[0].platform
     name = api.resolve_backend(backend, platform, view, **consume_opts)
     return _sharded(mesh, axis_name, mode, name, tuple(sorted(consume_opts.items())), fused, dims.NB == 0)
+
+
+def _peer_plan(mesh, axis_name, backend, consume_opts, dims: api.Dims, options):
+    """Checks that mode="peer" runs here (backend cute on CUDA GPUs of this process, a supported
+    shape); returns what the jitted layout needs: (the group table, the options)."""
+    if backend not in ("auto", "cute"):
+        raise ValueError(f"backend: mode='peer' needs backend 'cute' on CUDA GPUs (its CuTe consumer polls "
+                         f"mailboxes that its FFI handler owns), got backend={backend!r}")
+    reason = peer.unavailable_reason(mesh.devices.flat[0].platform)
+    if reason:
+        raise ValueError(f"mode: mode='peer' needs backend 'cute' on CUDA GPUs; it cannot run on this mesh: {reason}")
+    reason = peer.unsupported_reason(dims, has_delta=consume_opts["has_delta"], groups=consume_opts["groups"],
+                                     xmoe_replicas=consume_opts["xmoe_replicas"])
+    if reason:
+        raise ValueError(f"mode: mode='peer' cannot run this call: {reason}")
+    return peer.group_table(mesh, axis_name), options
 
 
 def tp_consumer(
@@ -100,20 +138,23 @@ def tp_consumer(
     axis_name: str = "tp",
     mode: str = "oneshot",
     backend: str = "auto",
+    peer_options: peer.PeerOptions | None = None,  # mode="peer" only
     **options,  # eps, out_eps, has_delta, groups, xmoe_replicas: as api.consumer
-) -> api.ConsumerResult:
+) -> api.ConsumerResult | peer.PeerResult:
     """The consumer over a TP group: each rank holds its partial o-projection; see MODES above.
 
     Returns a ConsumerResult of replicated arrays (prefix [T, H], output [T, H], xmoe
-    [reps, T, H] or None); for "oneshot" and "twoshot" every rank holds the same bits.
-    Works eagerly and under jit / scan (donate the prefix at the caller's jit).
+    [reps, T, H] or None); for "oneshot", "twoshot" and "peer" every rank holds the same bits.
+    mode="peer" returns a PeerResult (the same fields plus `status`), checked here when the
+    call is eager. Works eagerly and under jit / scan (donate the prefix at the caller's jit).
     """
-    ranks = _check_layout(mesh, axis_name, mode, backend)
+    ranks = _check_layout(mesh, axis_name, mode, backend, peer_options)
     opts = _options(options)
     dims = api.check_arguments(partial, prefix, blocks, norm, query, out_norm, **opts)
     _check_ranks(dims.R, ranks, mode, dims.H, "partial")
-    fn = _plan(mesh, axis_name, mode, backend, opts, dims, fused=False)
-    return fn(partial, prefix, norm, query, out_norm, *(() if dims.NB == 0 else (blocks,)))
+    fn = _plan(mesh, axis_name, mode, backend, opts, dims, False, peer_options)
+    result = fn(partial, prefix, norm, query, out_norm, *(() if dims.NB == 0 else (blocks,)))
+    return _checked(result, mode, partial)
 
 
 def tp_oproj_consumer(
@@ -129,8 +170,9 @@ def tp_oproj_consumer(
     axis_name: str = "tp",
     mode: str = "oneshot",
     backend: str = "auto",
+    peer_options: peer.PeerOptions | None = None,  # mode="peer" only
     **options,  # eps, out_eps, has_delta, groups, xmoe_replicas: as api.consumer
-) -> api.ConsumerResult:
+) -> api.ConsumerResult | peer.PeerResult:
     """The fused TP producer + consumer, in one shard_map.
 
     Layout: `attn` [T, heads*head_dim] is split on its last axis and `w_o` [heads*head_dim, H]
@@ -138,9 +180,9 @@ def tp_oproj_consumer(
     their rows of W_o). Rank r computes its partial o-projection
     `partial_r = bf16(attn_r @ w_o_r)` ([T, H], f32 accumulation, one bf16 rounding), publishes
     it (-0.0 as +0.0) and the partials are reduced and consumed as in `tp_consumer` with the
-    same `mode`. Returns the same replicated ConsumerResult.
+    same `mode`. Returns the same replicated ConsumerResult (PeerResult for mode="peer").
     """
-    ranks = _check_layout(mesh, axis_name, mode, backend)
+    ranks = _check_layout(mesh, axis_name, mode, backend, peer_options)
     opts = _options(options)
     T, K = api.check_array("attn", attn, 2, "[T, heads*head_dim]")
     wK, H = api.check_array("w_o", w_o, 2, "[heads*head_dim, H]")
@@ -153,8 +195,17 @@ def tp_oproj_consumer(
     partial = jax.ShapeDtypeStruct((ranks, T, H), bf16)  # what the producer will publish
     dims = api.check_arguments(partial, prefix, blocks, norm, query, out_norm, **opts)
     _check_ranks(dims.R, ranks, mode, H, "w_o")
-    fn = _plan(mesh, axis_name, mode, backend, opts, dims, fused=True)
-    return fn(attn, w_o, prefix, norm, query, out_norm, *(() if dims.NB == 0 else (blocks,)))
+    fn = _plan(mesh, axis_name, mode, backend, opts, dims, True, peer_options)
+    result = fn(attn, w_o, prefix, norm, query, out_norm, *(() if dims.NB == 0 else (blocks,)))
+    return _checked(result, mode, attn)
+
+
+def _checked(result, mode: str, first_input):
+    """mode="peer" called eagerly: raises if any rank's consumer gave up (reads the status, so
+    waits for the step). Under tracing the caller checks PeerResult.status."""
+    if mode == "peer" and not isinstance(first_input, jax.core.Tracer):
+        peer.check_status(result.status)
+    return result
 
 
 def _mailbox(mine, axis_name: str, mode: str, ranks: int):  # [1, T, H] bf16, published -> [R or 1, T, H]
@@ -174,9 +225,10 @@ def _mailbox(mine, axis_name: str, mode: str, ranks: int):  # [1, T, H] bf16, pu
 
 
 @functools.lru_cache(maxsize=64)
-def _sharded(mesh, axis_name, mode, backend, options, fused, no_blocks):
+def _sharded(mesh, axis_name, mode, backend, options, fused, no_blocks, peer_plan=None):
     """The jitted shard_map for one static layout (cached: eager calls do not retrace);
-    `backend` is resolved (a registry name), `options` are the consumer's, as sorted items.
+    `backend` is resolved (a registry name), `options` are the consumer's, as sorted items,
+    `peer_plan` (mode="peer") the group table and the PeerOptions.
 
     Arguments: the producer's (partial, or attn and w_o), then prefix, norm, query, out_norm,
     then blocks unless `no_blocks`: with NB = 0 the empty [T, 0, H] blocks are made inside,
@@ -185,9 +237,13 @@ def _sharded(mesh, axis_name, mode, backend, options, fused, no_blocks):
     consume_opts = dict(options)
     ranks = int(mesh.shape[axis_name])
 
-    def consume(mine, prefix, norm, query, out_norm, *blocks):  # mine: [1, T, H] bf16, published
-        mailbox = _mailbox(mine, axis_name, mode, ranks)
+    def consume(mine, prefix, norm, query, out_norm, *blocks):  # mine: [1, T, H] bf16
         (blocks,) = blocks or (jnp.zeros((prefix.shape[0], 0, prefix.shape[1]), bf16),)
+        if peer_plan is not None:  # the FFI call publishes (-0.0 -> +0.0 in its publish kernel)
+            table, peer_options = peer_plan
+            return peer.consume(mine[0], prefix, blocks, norm, query, out_norm, table=table, options=peer_options,
+                                **consume_opts)
+        mailbox = _mailbox(without_negative_zero(mine), axis_name, mode, ranks)  # published, then moved
         return api.consumer(mailbox, prefix, blocks, norm, query, out_norm, backend=backend, **consume_opts)
 
     replicated = (P(),) * (4 if no_blocks else 5)
@@ -195,13 +251,19 @@ def _sharded(mesh, axis_name, mode, backend, options, fused, no_blocks):
 
         def body(attn, w_o, *rest):  # attn [T, K/R], w_o [K/R, H]: this rank's heads
             partial = jnp.dot(attn, w_o, preferred_element_type=f32).astype(bf16)  # ROUND: bf16 partial
-            return consume(without_negative_zero(partial)[None], *rest)
+            return consume(partial[None], *rest)
 
         in_specs = (P(None, axis_name), P(axis_name, None), *replicated)
     else:
 
         def body(partial, *rest):  # partial [1, T, H]: this rank's slot
-            return consume(without_negative_zero(partial), *rest)
+            return consume(partial, *rest)
 
         in_specs = (P(axis_name), *replicated)
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=P()))
+    if peer_plan is None:
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=P()))
+    # mode="peer": prefix, output and xmoe hold the same bits on every rank (same slots, same
+    # order), but come out of a per-rank FFI call that JAX cannot prove replicated, hence
+    # check_vma=False; the status is one word per device, in mesh order.
+    out_specs = peer.PeerResult(P(), P(), P(), P(tuple(mesh.axis_names)))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False))

@@ -95,11 +95,12 @@ def test_tp_consumer_bit_exact(mesh, mode, cfg):
 
 
 def test_oneshot_twoshot_reference_agree_with_groups1(mesh):
-    """SPEC: twoshot and oneshot with groups=1 give the prefix bits of the plain rank-order sum."""
+    """docs/spec.md, "Twoshot": twoshot and oneshot with groups=1 give the prefix bits of the
+    plain rank-order sum."""
     cfg = configs.Config(TP, 4, 2, groups=1)
     x = configs.make_inputs(cfg, seed=2)
     want = testing.bits(_reference(x["mailbox"], x, cfg, 1).prefix)
-    gather_row = reference.twoshot_gather(x["mailbox"])  # [1, T, H]: the seed's twoshot row
+    gather_row = reference.twoshot_gather(x["mailbox"])  # [1, T, H]: the twoshot gather row
     assert np.array_equal(testing.bits(_reference(gather_row, x, cfg, 1).prefix), want)
     for mode in ("oneshot", "twoshot"):
         got = tp_consumer(x["mailbox"], *_args(x), mesh=mesh, mode=mode, **cfg.options())
@@ -273,7 +274,7 @@ def _small(R=TP, H=SMALL_H):
     [
         (dict(R=8), r"partial: expected R = 16 \(the size of the mesh axis\), got R = 8"),
         (dict(mode="twoshot", H=200), r"partial: twoshot splits H .*H % R == 0, got H=200, R=16"),
-        (dict(mode="allreduce"), r"mode: expected one of \('oneshot', 'twoshot', 'psum'\), got 'allreduce'"),
+        (dict(mode="allreduce"), r"mode: expected one of \('oneshot', 'twoshot', 'psum', 'peer'\), got 'allreduce'"),
         (dict(axis_name="dp"), r"axis_name: expected one of the mesh's axes \('tp',\), got 'dp'"),
         (dict(groups=5), r"groups: expected 1 <= groups <= 4, got 5"),
         (dict(backend="cuda"), r"backend: expected one of"),

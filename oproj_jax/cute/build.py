@@ -16,7 +16,8 @@ The default set: every key the GPU checks and benchmarks use (oproj_jax.configs.
 BENCH) plus the production family R=16 x NB 0..8 x has_delta both x groups 1..4 x xmoe 0/1
 (oneshot), each compiled as every build of manifest.BUILDS (the thread layout and the launch
 bound; the backend picks by mode and T). About 470 cubins, 1-3 s each;
-`--jobs` compiles in parallel processes.
+`--jobs` compiles in parallel processes. Every build also compiles the publish kernel of
+mode="peer" (cute/publish.py), recorded as the manifest's "publish" entry.
 R stays static: the polling loop is unrolled over the slots a group owns, and a runtime R
 would cost registers and a dynamic loop on the critical path for no gain at the few R used.
 
@@ -57,6 +58,12 @@ def default_keys() -> list[dict]:
             for groups in (1, 2, 3, 4):
                 for reps in (0, 1):
                     keys.append(M.make_key(configs.TP, nb, has_delta, groups, reps, False))
+    # mode="peer" (oproj_jax/cute/peer.py) on a 2-GPU group: its GPU tests (NB=0, no delta,
+    # groups 1..4, xmoe 0/1) and the TP benchmark's shape (NB=8, has_delta, groups=4)
+    for groups in (1, 2, 3, 4):
+        for reps in (0, 1):
+            keys.append(M.make_key(2, 0, False, groups, reps, False))
+    keys.append(M.make_key(2, 8, True, 4, 0, False))
     unique = []
     for k in keys:
         if k not in unique:
@@ -122,6 +129,30 @@ def compile_variant(key: dict, build: M.Build = M.GROUPED, trace: bool = False) 
                 cubin_bytes=cubin)
 
 
+def compile_publish() -> dict:
+    """The publish kernel of mode="peer" (cute/publish.py): one cubin for every R and T; returns
+    the manifest's "publish" entry plus "cubin_bytes"."""
+    import cutlass.cute as cute
+    from cutlass import Int32, Int64
+    from cutlass.cute.runtime import make_fake_stream
+
+    from oproj_jax.cute import publish
+
+    args = publish.compile_args()
+    with tempfile.TemporaryDirectory() as dump:
+        compiled = cute.compile(publish.Publish().launch, *args, make_fake_stream(),
+                                options=f"--gpu-arch {ARCH} --keep-cubin --keep-ptx --dump-dir {dump}")
+        cubin, ptx = compiled.artifacts.CUBIN, compiled.artifacts.PTX
+    (entry,) = compiled.kernel_info.keys()
+    if cubin[:4] != b"\x7fELF" or entry.encode() not in cubin or publish.ENTRY_HINT not in entry.lower():
+        raise RuntimeError(f"publish kernel: the DSL did not return an ELF cubin with entry {entry}")
+    params = ptx_params(ptx)
+    if params != publish.PUBLISH_PARAMS:
+        raise RuntimeError(f"publish kernel: PTX params {params} differ from the ABI {publish.PUBLISH_PARAMS}")
+    return dict(cubin=M.PUBLISH_CUBIN, entry=entry, block=[publish.THREADS, 1, 1], params=params,
+                cubin_bytes=cubin)
+
+
 def _compile_to(args) -> dict:
     key, build, out_dir = args
     t0 = time.time()
@@ -171,8 +202,10 @@ def build_cubins(out_dir=None, keys=None, jobs: int | None = None, log=None,
             rebuilt = [(w[0], w[1]) for w in work]
             kept = [e for e in old.get("kernels", [])
                     if (e["key"], M.entry_build(e)) not in rebuilt and (out / e["cubin"]).is_file()]
+    publish = compile_publish()  # ~2 s: always rebuilt, so it follows publish.py
+    (out / publish["cubin"]).write_bytes(publish.pop("cubin_bytes"))
     manifest = {"arch": ARCH, "cutlass_dsl": _dsl_version(), "H": HIDDEN,
-                "kernels": kept + built}
+                "kernels": kept + built, "publish": publish}
     (out / M.MANIFEST).write_text(json.dumps(manifest, indent=1))
     if log:
         log(f"built {len(built)} variants into {out} in {time.time() - t0:.1f} s "

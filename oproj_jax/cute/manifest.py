@@ -7,7 +7,9 @@ Directory: $OPROJ_JAX_CUBIN_DIR if set, else the package's `oproj_jax/cute/cubin
   {"arch": "sm_90a", "cutlass_dsl": "4.8.1", "H": 7168,
    "kernels": [{"key": {...}, "min_ctas": 0, "fold": false, "cubin": "...", "entry": "...",
                 "dynamic_smem_bytes": N, "block": [128*groups or 128, 1, 1], "cluster": [7, 1, 1],
-                "params": [".u64", ...]}]}
+                "params": [".u64", ...]}],
+   "publish": {"cubin": "oproj_publish.cubin", "entry": "...", "block": [128, 1, 1],
+               "params": [...]}}   (mode="peer"'s publish kernel, cute/publish.py)
 """
 
 from __future__ import annotations
@@ -93,15 +95,15 @@ class Build(NamedTuple):
         return ("f" if self.fold else "m") + str(self.min_ctas)
 
 
-# Every key is built three times. H200, R16 NB8 G4, kernel us at T = 1 / 64 / 4096
-# (benchmarks/results/2026-11-30-nvidia-h200-run6-sweep.json and run4-sweep.json):
-#   grouped, no bound (512 threads, 64 registers)          3.19 / 10.7 / 418
-#   grouped, min_ctas=3 (40 registers, a few spilled B)    3.6  / 11.1 / 422
-#   folded, no bound (128 threads, 127 registers)          3.10 / 9.0  / 358
-# (since run 10 the kernel has one cluster exchange; run 13: folded 122 registers, 2.90 / 8.84 / 358)
+# Every key is built three times (timings of each build on the H200: docs/perf.md):
+#   grouped, no bound (128 * groups threads): the fastest grouped build up to LARGE_T tokens;
+#   grouped, min_ctas=3: fewer registers (a few bytes spilled) and more resident clusters, so
+#       the faster grouped build for many tokens;
+#   folded, no bound (128 threads): fewer threads, no hand-off between groups and more
+#       resident clusters, faster than both grouped builds at every T measured.
 # Ready mode (XLA produced the mailbox: nothing to poll) uses the folded build at every T.
-# Protocol mode keeps the seed's grouped polling (128 * groups threads, a group per rank
-# range), unbounded up to LARGE_T tokens and bounded above.
+# Protocol mode keeps the original kernel's grouped polling (128 * groups threads, a group per
+# rank range), unbounded up to LARGE_T tokens and bounded above.
 GROUPED, GROUPED_BOUNDED, FOLDED = Build(0), Build(3), Build(0, True)
 BUILDS = (GROUPED, GROUPED_BOUNDED, FOLDED)
 LARGE_T = 64  # protocol mode: T above this uses the bounded grouped build
@@ -139,6 +141,14 @@ def find(manifest: dict, key, build: Build = GROUPED, entries: dict | None = Non
     variant was not built. `entries`: index(manifest), if the caller keeps one."""
     entries = index(manifest) if entries is None else entries
     return entries.get(_lookup(normalize_key(key), build))
+
+
+PUBLISH_CUBIN = "oproj_publish.cubin"
+
+
+def find_publish(manifest: dict) -> dict | None:
+    """The publish kernel's entry (mode="peer"), or None if the manifest predates it."""
+    return manifest.get("publish")
 
 
 def cubin_path(manifest: dict, entry: dict) -> Path:

@@ -1,0 +1,183 @@
+"""python -m oproj_jax.bench.tp: the sharded layer's modes timed on a mesh of local GPUs.
+
+  python -m oproj_jax.bench.tp --tp 2 --tokens 1,8,64 --json out.json
+
+For each mode (oneshot, twoshot, psum, peer) and backend (reference, pallas, cute; peer with
+cute only) at R = the number of GPUs, NB=8, has_delta, groups=4: the time per decode step, as
+the slope of unrolled jitted chains of K dependent steps (timing.slope: (t(K2)-t(K1))/(K2-K1),
+median wall times), every step on its own input set (partial [R, T, H] sharded over the ranks,
+blocks), the prefix threaded through the chain, every output kept live. `us_kernels`: the
+profiler's kernel time per step and device (all GPUs' kernel time / steps / R); for peer it
+includes the time a consumer spends polling for its peers and a publish kernel waiting for a
+peer's re-arm. The peer calls enter XLA's command buffers (CUDA graphs) through their record
+stage like the other cute targets, so a chain pays kernel time, not per-call host dispatch.
+A failed combination becomes an "error" record and the run goes on; the JSON is rewritten
+after every record.
+
+`run(n_ranks, tokens, reps, json_path)` is what `python -m oproj_jax.bench --tp N` calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from oproj_jax import configs
+from oproj_jax.bench import timing
+from oproj_jax.cute import peer
+from oproj_jax.sharded import tp_consumer
+
+# most important first: a stage cut short by its time limit still has the comparison of record
+COMBOS = (("peer", "cute"), ("psum", "reference"), ("oneshot", "cute"), ("oneshot", "reference"),
+          ("twoshot", "cute"), ("psum", "cute"), ("oneshot", "pallas"), ("twoshot", "pallas"), ("psum", "pallas"),
+          ("twoshot", "reference"))
+DEFAULT_TOKENS = (1, 8, 64)
+NB, GROUPS = 8, 4
+K1, K2 = 4, 20  # chain lengths: 16 steps between them (~100 us at T=1)
+N_LISTS = 2  # input lists alternated between executions
+
+
+def log(message: str) -> None:
+    print(f"[bench.tp {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def _chain(mesh, mode: str, backend: str, k: int, config: configs.Config):
+    """jit of k dependent steps: step i reads partials[i] and blocks[i]; returns the final
+    prefix, every output and every status (zeros for modes without one)."""
+    options = dict(has_delta=config.has_delta, groups=config.groups, xmoe_replicas=0)
+
+    def chain(partials, blocks, prefix, norm, query, out_norm):
+        outputs, statuses = [], []
+        for i in range(k):
+            res = tp_consumer(partials[i], prefix, blocks[i], norm, query, out_norm, mesh=mesh, mode=mode,
+                              backend=backend, **options)
+            prefix = res.prefix
+            outputs.append(res.output)
+            statuses.append(res.status if mode == "peer" else jnp.zeros((config.R,), jnp.int32))
+        return prefix, outputs, jnp.stack(statuses)
+
+    chain.__name__ = chain.__qualname__ = f"tp_{mode}_{backend}_T{config.T}_K{k}"
+    return jax.jit(chain, keep_unused=True)
+
+
+def _inputs(mesh, config: configs.Config, seed: int):
+    """N_LISTS argument tuples, each with K2 distinct partials and blocks (device copies of
+    random data, shifted per copy so no two buffers are equal)."""
+    x = configs.make_inputs(config, seed)
+    shard = NamedSharding(mesh, P("tp"))
+    replicated = NamedSharding(mesh, P())
+    put = jax.jit(lambda a, s: (a.astype(jnp.float32) * (1 + s / 64)).astype(jnp.bfloat16))  # keeps a's sharding
+    partial = jax.device_put(x["mailbox"], shard)
+    blocks = jax.device_put(x["blocks"], replicated)
+    lists = []
+    for j in range(N_LISTS):
+        partials = [put(partial, jnp.float32(j * K2 + i)) for i in range(K2)]
+        block_sets = [put(blocks, jnp.float32(j * K2 + i)) for i in range(K2)]
+        lists.append((partials, block_sets,
+                      *(jax.device_put(x[k], replicated) for k in ("prefix", "norm", "query", "out_norm"))))
+    jax.block_until_ready(lists)
+    return lambda i: lists[i % N_LISTS]
+
+
+def time_combo(mesh, mode: str, backend: str, config: configs.Config, reps: int, profile: bool) -> dict:
+    fn1, fn2 = (_chain(mesh, mode, backend, k, config) for k in (K1, K2))
+    args_of = _inputs(mesh, config, seed=config.T)
+    us, t1, t2, noise = timing.slope(fn1, fn2, args_of, K1, K2, reps)
+    if mode == "peer":  # the timed steps must have been real ones
+        peer.check_status(fn2(*args_of(0))[2])
+    us_kernels = note = None
+    if profile:
+        _, note, kernels, _ = timing.profiled_us_per_call(fn2, args_of, K2)
+        us_kernels = None if kernels is None else kernels / config.R
+    return dict(kind="timing", backend=backend, mode=mode, gpus=config.R, T=config.T, R=config.R, NB=config.NB,
+                groups=config.groups, has_delta=config.has_delta, us=us, us_kernels=us_kernels, noise_us=noise,
+                t_k1_us=t1, t_k2_us=t2, k1=K1, k2=K2, reps=reps, device=jax.devices()[0].device_kind, record=True,
+                profiler_note=note, date=datetime.date.today().isoformat(),
+                method=f"slope of unrolled jitted chains of dependent TP steps, K1={K1}, K2={K2}, median of {reps} "
+                       f"executions each, {N_LISTS} input lists alternated")
+
+
+def _write(records, json_path) -> None:
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(records, f, indent=1)
+
+
+def run(n_ranks: int, tokens=DEFAULT_TOKENS, reps: int = 7, json_path: str | None = None, *,
+        combos=COMBOS, profile: bool = True) -> list[dict]:
+    """Times every (mode, backend) of `combos` at every T of `tokens` on the first `n_ranks`
+    GPUs; returns the records (also written to `json_path` after each one)."""
+    gpus = jax.devices()
+    if gpus[0].platform != "gpu" or len(gpus) < n_ranks:
+        raise RuntimeError(f"--tp {n_ranks}: needs {n_ranks} GPUs in this process, found {len(gpus)} "
+                           f"{gpus[0].platform} device(s)")
+    mesh = Mesh(np.array(gpus[:n_ranks]), ("tp",))
+    records = []
+    for mode, backend in combos:
+        for T in tokens:
+            config = configs.Config(n_ranks, T, NB, groups=GROUPS)
+            what = f"{mode}/{backend} T={T}"
+            try:
+                record = time_combo(mesh, mode, backend, config, reps, profile)
+                log(f"{what}: {record['us']:.2f} us/step (kernels {record['us_kernels']})")
+            except Exception as err:  # one failed combination must not end the run
+                record = dict(kind="error", backend=backend, mode=mode, T=T, gpus=n_ranks, record=True,
+                              what=f"timing {what}", error=f"{type(err).__name__}: {err}"[:2000])
+                log(f"{what}: {record['error'][:300]}")
+            records.append(record)
+            _write(records, json_path)
+    print(summary(records))
+    return records
+
+
+def summary(records) -> str:
+    """A table: one row per (mode, backend), us per step at each T; peer's speedup over psum/reference."""
+    timings = [r for r in records if r.get("kind") == "timing"]
+    tokens = sorted({r["T"] for r in records if "T" in r})
+    rows = {}
+    for r in records:
+        if "mode" in r:
+            rows.setdefault((r["mode"], r["backend"]), {})[r["T"]] = r
+    cell = lambda r: "-" if r is None else ("error" if r["kind"] == "error" else f"{r['us']:.2f}")
+    lines = ["mode/backend        " + "".join(f"T={t:<10}" for t in tokens)]
+    for (mode, backend), by_t in rows.items():
+        lines.append(f"{mode + '/' + backend:<20}" + "".join(f"{cell(by_t.get(t)):<12}" for t in tokens))
+    base = {r["T"]: r["us"] for r in timings if (r["mode"], r["backend"]) == ("psum", "reference")}
+    for r in timings:
+        if r["mode"] == "peer" and r["T"] in base and r["us"] > 0:
+            lines.append(f"peer/cute T={r['T']}: {base[r['T']] / r['us']:.1f}x faster than psum/reference")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m oproj_jax.bench.tp", description=__doc__.splitlines()[0])
+    parser.add_argument("--tp", type=int, default=2, help="GPUs (ranks) in the mesh (default %(default)s)")
+    parser.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="token counts, comma-separated")
+    parser.add_argument("--reps", type=int, default=7, help="timed executions per chain length (default %(default)s)")
+    parser.add_argument("--modes", default=None, help="only these modes, comma-separated")
+    parser.add_argument("--no-profile", action="store_true", help="skip the profiler's kernel times")
+    parser.add_argument("--json", metavar="PATH", help="write the records as JSON")
+    args = parser.parse_args(argv)
+    try:
+        tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
+    except ValueError:
+        parser.error(f"--tokens: expected comma-separated integers, got {args.tokens!r}")
+    if args.tp < 1 or args.reps < 1 or not tokens or min(tokens) < 1:
+        parser.error("--tp, --reps and --tokens must be positive")
+    modes = None if args.modes is None else set(args.modes.split(","))
+    combos = tuple(c for c in COMBOS if modes is None or c[0] in modes)
+    run(args.tp, tokens, args.reps, args.json, combos=combos, profile=not args.no_profile)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""The publish kernel of mode="peer" (oproj_jax/cute/peer.py): one rank's partial into a slot of
+every rank's mailbox, in CuTe DSL (built to a cubin by oproj_jax/cute/build.py; no GPU needed).
+
+Thread i of the grid owns 16-byte fragment i of the partial [T, H] (bf16, T*H/8 fragments):
+it loads it once and turns every bf16 -0.0 into +0.0, so no published 32-bit word can be the
+sentinel 0x80000000 (SPEC "mailbox protocol"). Then, for each destination (each rank's slot
+`me`, given as byte addresses), it WAITS FOR EMPTY: it polls that destination fragment
+(ld.relaxed.sys.v4) until all four words are the sentinel, i.e. the slot's owner consumed the
+previous step's fragment and re-armed it, and only then stores its data (st.relaxed.sys.v4).
+Each round issues one load per destination still pending (all in flight together) and stores
+into every destination found empty, so a round costs one remote load latency, not R.
+
+One mailbox per device, no epochs, nothing the host counts: the mailbox's state alone says
+whether a slot may be written, which is what lets the handler put the call into a CUDA graph
+(csrc/peer_ffi.cc has the safety, progress and deadlock-freedom arguments).
+
+Bounded wait: after `spin_limit` rounds (0 = wait forever) with a destination still not
+re-armed, the thread gives up on it, does NOT store there, and the step reports
+STATUS_UNARMED. A launch reports exactly once: each CTA ORs its threads' outcome with one
+barrier reduction, thread 0 adds (1 | failed << 32) to a 64-bit counter in the handler's own
+memory (`control`, zero between launches), and the CTA whose add completes the count (the
+last one) stores the step's publish status (0 or STATUS_UNARMED) into flags[2] and zeroes the
+counter for the next launch. No racing stores into XLA's buffer: the flags buffer is XLA's,
+fresh (garbage) each call, and only that one CTA writes flags[2]; thread 0 of the grid zeroes
+flags[0], the consumer's status word, which only the consumer (launched after this grid
+completes) may set.
+
+Ordering (why `griddepcontrol.wait` comes before every load and store):
+  * the partial comes from an XLA kernel with ordinary stores, visible only after the wait;
+    flags may be memory the previous kernel on the stream still uses;
+  * this rank's previous step must be over (csrc/peer_ffi.cc): its consumer has read and
+    re-armed this rank's own mailbox, and its publish has landed in every destination, so
+    a destination fragment holds either our previous data (not yet consumed: wait) or its
+    owner's re-arm (free). Without the wait, two steps' publishes of one rank could overlap.
+`griddepcontrol.launch_dependents` first lets the consumer that follows be scheduled early; it
+waits for this grid's completion (the local slot, flags[0] and flags[2]) before its first
+global read.
+
+Stores are st.relaxed.sys: the data goes to other GPUs' memory, polled there by volatile
+(relaxed, system-scope) loads; each 32-bit word is written once per step, so a poller sees
+either the sentinel or the final value of a word, never a torn one. The mailbox memory is
+ours (peer.py), never XLA's, so no XLA buffer is written behind XLA's back.
+
+Parameters (PTX .param order; PUBLISH_PARAMS): src u64, dest_0 .. dest_15 u64, n_dest i32,
+flags u64, fragments i32, spin_limit i32, control u64. Launch: grid (ceil(fragments / 128),
+1, 1), block (128, 1, 1), no cluster, PDL on.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64, Uint32
+
+from oproj_jax.cute import primitives as P
+
+MAX_RANKS = 16  # destinations per launch: the mailbox slots of a TP group
+THREADS = 128
+ENTRY_HINT = "publish"  # the kernel entry's name contains this (checked by build.py)
+PUBLISH_PARAMS = [".u64"] * (1 + MAX_RANKS) + [".u32", ".u64", ".u32", ".u32", ".u64"]
+# flags[2] after a launch: a destination slot was never re-armed within spin_limit rounds. A bit
+# of its own (the consumer stores 1 into flags[0]), so peer.py can OR the two words.
+STATUS_UNARMED = 4
+_U4 = (Uint32, Uint32, Uint32, Uint32)
+
+
+def _ld_nc4(addr):
+    """16 bytes of the partial, once, through the read-only path: it cannot change during the
+    kernel (XLA wrote it before the previous grid completed)."""
+    return P.asm("ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$4];", _U4, ((Int64, addr),))
+
+
+def _pending_mask(n_dest):
+    """(1 << n_dest) - 1: bit r set for every destination r < n_dest (n_dest <= 16)."""
+    return P.asm("{ .reg .b32 t; shl.b32 t, 1, $1; sub.s32 $0, t, 1; }", (Int32,), ((Int32, n_dest),))
+
+
+def _poll4_if(pending, bit: int, addr):
+    """The destination fragment's four words, loaded (relaxed, system scope: another GPU's
+    consumer re-arms it) when `bit` of `pending` is set; else undefined (never looked at)."""
+    return P.asm(
+        "{ .reg .pred p; .reg .b32 t; and.b32 t, $4, " + f"{bit:#x}" + "; setp.ne.u32 p, t, 0;"
+        " @p ld.relaxed.sys.global.v4.b32 {$0, $1, $2, $3}, [$5]; }",
+        _U4, ((Int32, pending), (Int64, addr)))
+
+
+def _store_if_empty(pending, bit: int, addr, seen, words):
+    """If `bit` is pending and all four `seen` words are the sentinel (the owner re-armed the
+    fragment), store `words` there and clear the bit; returns the new pending mask."""
+    return P.asm(
+        "{ .reg .pred p; .reg .b32 t; and.b32 t, $1, " + f"{bit:#x}" + "; setp.ne.u32 p, t, 0;"
+        " setp.eq.and.u32 p, $3, 0x80000000, p; setp.eq.and.u32 p, $4, 0x80000000, p;"
+        " setp.eq.and.u32 p, $5, 0x80000000, p; setp.eq.and.u32 p, $6, 0x80000000, p;"
+        " @p st.relaxed.sys.global.v4.b32 [$2], {$7, $8, $9, $10};"
+        " mov.b32 $0, $1; @p and.b32 $0, $1, " + f"{~bit & 0xFFFFFFFF:#x}" + "; }",
+        (Int32,),
+        ((Int32, pending), (Int64, addr)) + tuple((Uint32, w) for w in seen) + tuple((Uint32, w) for w in words))
+
+
+def _cta_any(flag):
+    """1 if `flag` is nonzero in any thread of the CTA (every thread must call it)."""
+    return P.asm("{ .reg .pred q, p; setp.ne.u32 q, $1, 0; barrier.red.or.pred p, 0, q; selp.u32 $0, 1, 0, p; }",
+                 (Int32,), ((Int32, flag),))
+
+
+def _report(control, flags, failed):
+    """Thread 0 of each CTA: count this CTA (and whether it failed) in the 64-bit counter at
+    `control`; the CTA that completes the count stores the launch's publish status into
+    flags[2] and zeroes the counter. The outcome travels in the atomic's value, so relaxed
+    atomics suffice."""
+    P.asm(
+        "{ .reg .pred last, bad; .reg .b64 inc, old, total; .reg .b32 lo, hi, n, code;"
+        " cvt.u64.u32 inc, $2; shl.b64 inc, inc, 32; or.b64 inc, inc, 1;"
+        " atom.relaxed.gpu.global.add.u64 old, [$0], inc;"
+        " add.u64 total, old, inc; mov.b64 {lo, hi}, total;"
+        " mov.u32 n, %nctaid.x; setp.eq.u32 last, lo, n; setp.ne.u32 bad, hi, 0;"
+        " selp.b32 code, " + str(STATUS_UNARMED) + ", 0, bad;"
+        " @last st.relaxed.gpu.global.b32 [$1 + 8], code;"
+        " @last st.relaxed.gpu.global.u64 [$0], 0; }",
+        (), ((Int64, control), (Int64, flags), (Int32, failed)))
+
+
+def compile_args() -> list:
+    """Placeholder arguments of `Publish.launch` in PUBLISH_PARAMS order (before the stream), for
+    cute.compile (build.py, tests): only their types reach the kernel."""
+    return [Int64(0)] * (1 + MAX_RANKS) + [Int32(0), Int64(0), Int32(1), Int32(0), Int64(0)]
+
+
+class Publish:
+    """The kernel (one static variant: it serves every R <= MAX_RANKS and every T)."""
+
+    @cute.kernel
+    def kernel(self, src: Int64, d0: Int64, d1: Int64, d2: Int64, d3: Int64, d4: Int64, d5: Int64,
+               d6: Int64, d7: Int64, d8: Int64, d9: Int64, d10: Int64, d11: Int64, d12: Int64, d13: Int64,
+               d14: Int64, d15: Int64, n_dest: Int32, flags: Int64, fragments: Int32, spin_limit: Int32,
+               control: Int64):
+        dests = (d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15)
+        block, _, _ = cute.arch.block_idx()
+        thread, _, _ = cute.arch.thread_idx()
+        i = block * THREADS + thread
+        P.griddep_launch_dependents()
+        P.griddep_wait()  # before any load or store: see the module docstring
+        if i == 0:
+            P.store_status(flags, Int32(0))  # the consumer's status word
+        failed = Int32(0)
+        if i < fragments:
+            offset = Int64(i) * 16
+            words = [P.without_negative_zero(w) for w in _ld_nc4(src + offset)]
+            pending = _pending_mask(n_dest)
+            rounds = Int32(0)
+            while pending != 0:
+                seen = [_poll4_if(pending, 1 << r, dests[r] + offset) for r in range(MAX_RANKS)]
+                left = pending
+                for r in cutlass.range_constexpr(MAX_RANKS):
+                    left = _store_if_empty(left, 1 << r, dests[r] + offset, seen[r], words)
+                rounds = rounds + 1
+                if (spin_limit > 0) & (rounds >= spin_limit) & (left != 0):
+                    failed = Int32(1)  # give up: nothing is stored into a slot not re-armed
+                    left = Int32(0)
+                pending = left
+        failed = _cta_any(failed)
+        if thread == 0:
+            _report(control, flags, failed)
+
+    @cute.jit
+    def launch(self, src: Int64, d0: Int64, d1: Int64, d2: Int64, d3: Int64, d4: Int64, d5: Int64,
+               d6: Int64, d7: Int64, d8: Int64, d9: Int64, d10: Int64, d11: Int64, d12: Int64, d13: Int64,
+               d14: Int64, d15: Int64, n_dest: Int32, flags: Int64, fragments: Int32, spin_limit: Int32,
+               control: Int64, stream):
+        self.kernel(src, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15, n_dest, flags,
+                    fragments, spin_limit, control).launch(
+            grid=[(fragments + THREADS - 1) // THREADS, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=True)

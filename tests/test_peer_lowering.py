@@ -1,0 +1,280 @@
+"""mode="peer" without a GPU: the jitted shard_map lowers (for CUDA) to our one custom call per
+rank and no XLA collective, the library exports the handler and the reset, and every way of
+asking for it where it cannot run raises a clear error.
+
+The lowering uses a CPU mesh lowered for CUDA (lowering_platforms=("cuda",)) and a fake
+manifest (lowering never opens a cubin). What only the GPU run covers (tests/test_peer_gpu.py):
+executing the call (allocation, peer writes, polling, the timeout) and the bits it produces.
+"""
+
+import ctypes
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from oproj_jax import configs, sharded
+from oproj_jax.cute import backend, ffi, peer
+from oproj_jax.cute import manifest as cute_manifest
+
+H = configs.HIDDEN
+COLLECTIVES = ("all_gather", "all_reduce", "all_to_all", "reduce_scatter", "collective_permute", "psum")
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory):
+    """The library, built with g++ into a temporary directory (~20 s)."""
+    return ffi.build_library(tmp_path_factory.mktemp("peer_lib"))
+
+
+def _entry(R, NB, has_delta, groups, reps, build):
+    key = cute_manifest.make_key(R, NB, has_delta, groups, reps, False)
+    tag = f"R{R}_NB{NB}_{int(has_delta)}_G{groups}_x{reps}_{build.tag}"
+    return dict(key=key, min_ctas=build.min_ctas, fold=build.fold, cubin=f"{tag}.cubin", entry=f"entry_{tag}",
+                dynamic_smem_bytes=20000 + groups, block=[128 if build.fold else 128 * groups, 1, 1],
+                cluster=[7, 1, 1], params=[".u64"] * 10 + [".f32", ".f32", ".u32", ".u32"])
+
+
+@pytest.fixture
+def gpu_mesh_here(tmp_path, monkeypatch, library):
+    """A fake manifest (R = 2 and 4, both protocol builds, and the publish kernel), the library,
+    and the CPU platform taken for CUDA: what mode="peer" checks before it lowers."""
+    kernels = [_entry(R, NB, d, g, x, b) for R in (2, 4) for NB, d in ((0, False), (8, True)) for g in (1, 2, 4)
+               for x in (0, 1) for b in cute_manifest.BUILDS]
+    for e in kernels:
+        (tmp_path / e["cubin"]).write_bytes(b"never opened by lowering")
+    publish = dict(cubin=cute_manifest.PUBLISH_CUBIN, entry="publish_entry", block=[128, 1, 1],
+                   params=peer.PUBLISH_PARAMS)
+    (tmp_path / publish["cubin"]).write_bytes(b"nor this")
+    manifest = dict(arch="sm_90a", cutlass_dsl="4.8.1", H=H, kernels=kernels, publish=publish)
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    monkeypatch.setenv("OPROJ_JAX_CUBIN_DIR", str(tmp_path))
+    monkeypatch.setenv("OPROJ_JAX_FFI_LIBRARY", str(library))
+    monkeypatch.setattr(backend, "_is_cuda", lambda platform: True)
+    sharded._sharded.cache_clear()
+    yield tmp_path
+    sharded._sharded.cache_clear()
+
+
+def _mesh(shape, names):
+    devices = jax.devices("cpu")[: int(np.prod(shape))]
+    return Mesh(np.array(devices).reshape(shape), names)
+
+
+def spec(*shape):
+    return jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+
+
+def _lower(fn, *args) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _peer_calls(text):
+    return [line for line in text.splitlines() if f"stablehlo.custom_call @{ffi.PEER_TARGET}(" in line]
+
+
+def _assert_no_collective(text):
+    lowered = text.lower()
+    for name in COLLECTIVES:
+        assert name not in lowered, f"mode='peer' must not use an XLA collective, found {name}"
+
+
+def _consumer_args(R, T, NB):
+    return spec(R, T, H), spec(T, H), spec(T, NB, H), spec(H), spec(H), spec(H)
+
+
+@pytest.mark.parametrize("R,groups,reps", [(2, 1, 0), (2, 4, 1), (4, 2, 0)])
+def test_tp_consumer_lowers_to_one_peer_call_and_no_collective(gpu_mesh_here, R, groups, reps):
+    mesh = _mesh((R,), ("tp",))
+    T = 3
+
+    def fn(*args):
+        return sharded.tp_consumer(*args, mesh=mesh, mode="peer", backend="cute", groups=groups, has_delta=False,
+                                   xmoe_replicas=reps)
+
+    text = _lower(fn, *_consumer_args(R, T, 0))
+    (call,) = _peer_calls(text)
+    _assert_no_collective(text)
+    ordinals = ", ".join(str(d.local_hardware_id) for d in mesh.devices.flat)
+    for attribute in (f"group = dense<[{ordinals}]> : tensor<{R}xi64>", f"ranks = {R} : i64", "skip_rank = -1 : i32",
+                      f"spin_limit = {backend.DEFAULT_SPIN_LIMIT} : i32", "has_side_effect = true", "pdl = true",
+                      f"block = {128 * groups} : i64",  # the grouped (protocol) build, not ready mode's folded one
+                      f'entry = "entry_R{R}_NB0_0_G{groups}_x{reps}_m0"', 'publish_entry = "publish_entry"'):
+        assert attribute in call, attribute
+    # the partial goes to the call as XLA made it: the publish kernel sanitizes, not XLA
+    assert "compare" not in text and "select" not in text
+    aliases = set(re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", call))
+    assert aliases == {("0", "1")}  # only the prefix, in place
+    assert call.rstrip().endswith("tensor<3xi32>)"), "flags: consumer status, hints, publish status"
+    assert "stablehlo.or" in text, "status: the OR of the consumer's and the publish's words"
+    assert f"tensor<{R}xi32>" in text.split("func.func private")[0], "status: one word per rank"
+
+
+def test_large_T_takes_the_bounded_build_and_options_reach_the_call(gpu_mesh_here):
+    mesh = _mesh((2,), ("tp",))
+    options = peer.PeerOptions(spin_limit=1234, skip_publish_rank=1)
+
+    def fn(*args):
+        return sharded.tp_consumer(*args, mesh=mesh, mode="peer", groups=2, peer_options=options)  # backend auto
+
+    (call,) = _peer_calls(_lower(fn, *_consumer_args(2, cute_manifest.LARGE_T + 1, 8)))
+    assert 'entry = "entry_R2_NB8_1_G2_x0_m3"' in call  # protocol mode above LARGE_T
+    assert "spin_limit = 1234 : i32" in call and "skip_rank = 1 : i32" in call
+
+
+def test_fused_oproj_lowers_to_dot_then_peer_call(gpu_mesh_here):
+    mesh = _mesh((2,), ("tp",))
+    K = 256
+
+    def fn(attn, w_o, *rest):
+        return sharded.tp_oproj_consumer(attn, w_o, *rest, mesh=mesh, mode="peer", groups=1)
+
+    text = _lower(fn, spec(3, K), spec(K, H), spec(3, H), spec(3, 8, H), spec(H), spec(H), spec(H))
+    (call,) = _peer_calls(text)
+    assert "dot_general" in text
+    _assert_no_collective(text)
+
+
+def test_2d_mesh_passes_every_tp_group(gpu_mesh_here):
+    """dp x tp: one table row per TP group; each device finds its own row at execute."""
+    mesh = _mesh((2, 2), ("dp", "tp"))
+
+    def fn(*args):
+        return sharded.tp_consumer(*args, mesh=mesh, axis_name="tp", mode="peer", groups=1)
+
+    text = _lower(fn, *_consumer_args(2, 1, 8))
+    (call,) = _peer_calls(text)
+    rows = [[int(d.local_hardware_id) for d in row] for row in mesh.devices]  # tp is the last axis
+    flat = ", ".join(str(ordinal) for row in rows for ordinal in row)
+    assert f"group = dense<[{flat}]> : tensor<4xi64>" in call
+    assert peer.group_table(mesh, "dp") == tuple(zip(*rows))  # along dp: the columns
+    _assert_no_collective(text)
+
+
+def test_lowering_in_a_scan_keeps_one_call_per_step(gpu_mesh_here):
+    """Back-to-back steps: the call sits in the loop body once, with its side effect."""
+    mesh = _mesh((2,), ("tp",))
+
+    def loop(partials, prefix, blocks, norm, query, out_norm):
+        def step(prefix, partial):
+            res = sharded.tp_consumer(partial, prefix, blocks, norm, query, out_norm, mesh=mesh, mode="peer")
+            return res.prefix, (res.output, res.status)
+
+        return jax.lax.scan(step, prefix, partials)
+
+    text = _lower(loop, spec(5, 2, 1, H), spec(1, H), spec(1, 8, H), spec(H), spec(H), spec(H))
+    assert len(_peer_calls(text)) == 1 and "stablehlo.while" in text
+    _assert_no_collective(text)
+
+
+# ---- errors -------------------------------------------------------------------------------------
+
+
+def _inputs(R=2, T=1, NB=0):
+    x = configs.make_inputs(configs.Config(R, T, NB, groups=1, has_delta=False))
+    return [x[k] for k in ("mailbox", "prefix", "blocks", "norm", "query", "out_norm")]
+
+
+def test_peer_on_cpu_raises_naming_the_mode():
+    mesh = _mesh((2,), ("tp",))
+    with pytest.raises(ValueError, match=r"mode: mode='peer' needs backend 'cute' on CUDA GPUs.*'cpu'"):
+        sharded.tp_consumer(*_inputs(), mesh=mesh, mode="peer", groups=1, has_delta=False)
+
+
+@pytest.mark.parametrize("name", ["pallas", "reference"])
+def test_peer_with_another_backend_raises_naming_the_backend(name):
+    mesh = _mesh((2,), ("tp",))
+    with pytest.raises(ValueError, match=rf"backend: mode='peer' needs backend 'cute'.*got backend='{name}'"):
+        sharded.tp_consumer(*_inputs(), mesh=mesh, mode="peer", backend=name, groups=1, has_delta=False)
+
+
+def test_peer_options_are_checked():
+    mesh = _mesh((2,), ("tp",))
+    with pytest.raises(ValueError, match="peer_options: only mode='peer'"):
+        sharded.tp_consumer(*_inputs(), mesh=mesh, mode="oneshot", peer_options=peer.PeerOptions(), groups=1)
+    with pytest.raises(ValueError, match="skip_publish_rank must be a rank < 2"):
+        sharded.tp_consumer(*_inputs(), mesh=mesh, mode="peer", peer_options=peer.PeerOptions(skip_publish_rank=2))
+    with pytest.raises(TypeError, match="peer_options: expected oproj_jax.cute.peer.PeerOptions"):
+        sharded.tp_consumer(*_inputs(), mesh=mesh, mode="peer", peer_options={"spin_limit": 5})
+    with pytest.raises(ValueError, match="spin_limit: expected an int"):
+        peer.PeerOptions(spin_limit=-1)
+    with pytest.raises(ValueError, match="skip_publish_rank"):
+        peer.PeerOptions(skip_publish_rank=True)
+
+
+def test_unsupported_shapes_raise(gpu_mesh_here):
+    mesh = _mesh((2,), ("tp",))
+    with pytest.raises(ValueError, match=r"mode: mode='peer' cannot run this call: no CuTe cubin .*groups=3"):
+        sharded.tp_consumer(*_inputs(), mesh=mesh, mode="peer", groups=3, has_delta=False)
+    assert "up to 16 ranks" in peer.unsupported_reason(configs_dims(17), has_delta=True, groups=4, xmoe_replicas=0)
+
+
+def configs_dims(R):
+    from oproj_jax.api import Dims
+
+    return Dims(R, 1, 8, H)
+
+
+def test_a_manifest_without_the_publish_kernel_names_the_build(gpu_mesh_here):
+    path = gpu_mesh_here / "manifest.json"
+    manifest = json.loads(path.read_text())
+    del manifest["publish"]
+    path.write_text(json.dumps(manifest))
+    reason = peer.unavailable_reason("cuda")
+    assert "no (current) publish kernel" in reason and backend.BUILD_COMMAND in reason
+
+
+def test_groups_spanning_processes_are_refused():
+    class Device:
+        def __init__(self, i, process):
+            self.local_hardware_id, self.process_index, self.id = i, process, i
+
+    class FakeMesh:
+        axis_names = ("tp",)
+        devices = np.array([Device(0, 0), Device(0, 1)], dtype=object)
+
+    with pytest.raises(ValueError, match=r"mesh: mode='peer' needs every device of the mesh in this process"):
+        peer.group_table(FakeMesh(), "tp")
+
+
+def test_check_status():
+    peer.check_status(np.zeros(4, np.int32))
+    with pytest.raises(RuntimeError, match=r"mesh device\(s\) \[1, 3\] gave up polling.*peer.reset\(\)"):
+        peer.check_status(np.array([0, 1, 0, 1], np.int32))
+
+
+def test_the_peer_target_is_graph_safe_with_a_record_stage():
+    """No host step counter: XLA may put the call into a command buffer, through its record stage
+    (graph nodes updated in place); the initialize stage (allocation, modules) serves only the
+    "traced" registration, where XLA stream-captures execute."""
+    stages = ffi.SYMBOLS[ffi.PEER_TARGET]
+    assert stages == ffi.Stages("OprojPeerInitialize", "OprojPeerExecute", "OprojPeerRecord", True)
+    names = list(ffi.SYMBOLS)
+    i = names.index(ffi.PEER_TARGET)
+    for registration, (initialize, record, trait) in {"record": (None, "OprojPeerRecord", 1),
+                                                      "traced": ("OprojPeerInitialize", None, 1),
+                                                      "direct": (None, None, 0)}.items():
+        symbols, traits = ffi._stage_table(registration)
+        assert symbols[5 * i: 5 * i + 5] == [None, None, initialize, "OprojPeerExecute", record], registration
+        assert traits[i] == trait, registration
+
+
+def test_check_status_names_each_code():
+    with pytest.raises(RuntimeError, match=r"status 4 \(4: a peer never re-armed its slot"):
+        peer.check_status(np.array([4, 0], np.int32))
+    with pytest.raises(RuntimeError, match=r"status 5 \(1: a mailbox slot stayed empty.*; 4: a peer never re-armed"):
+        peer.check_status(np.array([0, 5], np.int32))
+    assert "unknown" in peer.describe_status(8)
+
+
+def test_library_exports_reset_and_it_is_a_no_op_without_groups(library, monkeypatch):
+    lib = ctypes.CDLL(str(library))
+    assert lib.OprojPeerExecute and lib.OprojPeerInitialize and lib.OprojPeerRecord and lib.OprojPeerReset
+    monkeypatch.setenv("OPROJ_JAX_FFI_LIBRARY", str(library))
+    monkeypatch.setattr(ffi, "_library", None)  # load the temporary build
+    assert peer.group_count() == 0
+    peer.reset()  # no group allocated: touches no GPU

@@ -1,0 +1,92 @@
+"""The publish kernel of mode="peer" (oproj_jax/cute/publish.py), compiled here (CuTe DSL, no GPU):
+its ABI and the ordering rules read off its PTX (wait for empty before every store, nothing
+before griddepcontrol.wait, one status report per launch). Running it is left to
+tests/test_peer_gpu.py.
+"""
+
+import re
+import tempfile
+
+import pytest
+
+from oproj_jax.cute import build
+from oproj_jax.cute import manifest as cute_manifest
+from oproj_jax.cute import peer
+
+pytest.importorskip("cutlass", reason="the CuTe DSL (nvidia-cutlass-dsl) builds the kernel")
+
+
+@pytest.fixture(scope="module")
+def ptx():
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_stream
+
+    from oproj_jax.cute import publish
+
+    args = publish.compile_args()
+    with tempfile.TemporaryDirectory() as dump:
+        compiled = cute.compile(publish.Publish().launch, *args, make_fake_stream(),
+                                options=f"--gpu-arch {build.ARCH} --keep-ptx --dump-dir {dump}")
+        return compiled.artifacts.PTX
+
+
+def test_entry_follows_the_abi():
+    from oproj_jax.cute import publish
+
+    entry = build.compile_publish()
+    assert entry["cubin"] == cute_manifest.PUBLISH_CUBIN and entry["block"] == [128, 1, 1]
+    assert entry["params"] == [".u64"] * 17 + [".u32", ".u64", ".u32", ".u32", ".u64"]
+    assert entry["params"] == publish.PUBLISH_PARAMS == peer.PUBLISH_PARAMS  # what peer.py checks the manifest for
+    assert publish.STATUS_UNARMED == peer.STATUS_UNARMED and publish.STATUS_UNARMED & peer.STATUS_EMPTY_SLOT == 0
+    assert entry["cubin_bytes"][:4] == b"\x7fELF" and entry["entry"].encode() in entry["cubin_bytes"]
+
+
+def _body(ptx: str) -> list[str]:
+    start = ptx.index(".entry")
+    return [line.strip() for line in ptx[start:].splitlines() if line.strip() and not line.strip().startswith("//")]
+
+
+def _memory(line: str) -> bool:
+    return bool(re.match(r"(ld|st|atom|red)\.(global|relaxed|volatile|weak)", line)
+                or re.search(r"\b(ld|st|atom|red)\.[a-z.:0-9]*global", line))
+
+
+def test_nothing_is_loaded_or_stored_before_griddepcontrol_wait(ptx):
+    body = _body(ptx)
+    wait = next(i for i, line in enumerate(body) if line.startswith("griddepcontrol.wait"))
+    memory = [i for i, line in enumerate(body) if _memory(line)]
+    assert memory and min(memory) > wait
+    launch = next(i for i, line in enumerate(body) if line.startswith("griddepcontrol.launch_dependents"))
+    assert launch < wait
+
+
+def test_every_store_waits_for_an_empty_fragment(ptx):
+    """16 destinations: one relaxed.sys v4 poll each, and each data store is predicated on all
+    four words of that same address being the sentinel (the owner's re-arm)."""
+    body = _body(ptx)
+    polls = [line for line in body if "ld.relaxed.sys.global.v4.b32" in line]
+    stores = [line for line in body if re.search(r"\bst\.[a-z.]*v4", line)]
+    assert len(polls) == 16 and len(stores) == 16
+    assert all("st.relaxed.sys.global.v4.b32" in s for s in stores)
+    poll_addresses = [re.search(r"ld\.relaxed\.sys\.global\.v4\.b32 \{[^}]*\}, \[(%rd\d+)\]", p).group(1) for p in polls]
+    for line in stores:
+        address = re.search(r"@p st\.relaxed\.sys\.global\.v4\.b32 \[(%rd\d+)\]", line).group(1)
+        assert address in poll_addresses, "a store to an address that was not polled"
+        checks = re.findall(r"setp\.eq\.and\.u32 p, %r\d+, 0x80000000, p;", line)
+        assert len(checks) == 4 and line.index(checks[-1]) < line.index("@p st."), line
+    # the sanitize rule: each of the 4 words, both halves tested for -0.0
+    assert ptx.count("and.b32 t, %r") >= 8
+
+
+def test_one_status_report_per_launch(ptx):
+    """The CTA's outcome is reduced with one barrier, counted with one relaxed 64-bit atomic by
+    thread 0, and only the CTA that completes the count stores flags[2] and zeroes the counter."""
+    body = _body(ptx)
+    (barrier,) = [i for i, line in enumerate(body) if "barrier.red.or.pred" in line]
+    (atomic,) = [i for i, line in enumerate(body) if "atom." in line]
+    assert barrier < atomic and "atom.relaxed.gpu.global.add.u64" in body[atomic]
+    report = body[atomic]
+    assert "%nctaid.x" in report and "@last st.relaxed.gpu.global.b32 [%rd" in report and "+ 8], code;" in report
+    assert "@last st.relaxed.gpu.global.u64" in report
+    stores = [line for line in body if _memory(line) and "st." in line]
+    assert sum("st.relaxed.gpu.global.b32" in line for line in stores) == 2  # flags[0] zero, flags[2]
