@@ -3,6 +3,8 @@
   python -m oproj_jax.bench                                  # every available backend, BENCH T
   python -m oproj_jax.bench --backends reference,pallas --tokens 1,64 --json out.json --plot out.png
   python -m oproj_jax.bench --check                          # also check each backend first
+  python -m oproj_jax.bench --decode-step --tokens 1,64      # a jitted decode step of 16 layers
+  python -m oproj_jax.bench --tp 2                           # TP modes over 2 GPUs, per decode step
 
 Prints a table: time per call, effective bandwidth (configs.min_bytes / time), % of the copy
 bandwidth measured in the same run, speedup over the reference. Progress goes to stderr.
@@ -46,6 +48,15 @@ def parse_args(argv):
     parser.add_argument("--no-profile", action="store_true", help="skip the profiler cross-check (GPU)")
     parser.add_argument("--l2-warm", action="store_true",
                         help="diagnostic: every call reads the same input set (L2-warm when it fits); not a benchmark")
+    parser.add_argument("--decode-step", action="store_true",
+                        help="time a jitted decode step of --layers layers (o-proj GEMM, consumer, MoE stand-in) "
+                             "with and without the consumer (bench/decode_step.py)")
+    parser.add_argument("--layers", type=int, default=16, help="layers per decode step (default %(default)s)")
+    parser.add_argument("--tp", type=int, default=None, metavar="N",
+                        help="time the TP layer over N local GPUs: every mode x backend, per decode step (bench/tp.py)")
+    parser.add_argument("--registration", choices=("record", "traced", "direct"), default=None,
+                        help="diagnostic: how the cute targets meet XLA's command buffers "
+                             "(oproj_jax.cute.ffi.REGISTRATION; default record)")
     parser.add_argument("--json", metavar="PATH", help="write the records as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG: time vs T per backend, log-log, copy roofline")
     args = parser.parse_args(argv)
@@ -66,7 +77,15 @@ def main(argv=None) -> int:
     from oproj_jax.bench import inputs as bench_inputs
     from oproj_jax.bench import report, runner
 
+    if args.registration:
+        from oproj_jax.cute import ffi
+
+        ffi.REGISTRATION = args.registration
     platform = jax.default_backend()
+    if args.tp is not None:
+        from oproj_jax.bench import tp
+
+        return tp.run(args.tp, args.tokens or [1, 8, 64], args.reps or 20, args.json)
     status = bench_backends.backend_status(platform)
     if args.backends == "all":
         wanted = [name for name, reason in status.items() if reason is None]
@@ -94,7 +113,17 @@ def main(argv=None) -> int:
     seed = args.seed if args.seed is not None else int(time.time()) % 2**31
     profile = platform == "gpu" and not args.no_profile
 
-    records = [runner.header(seed, status, argv=list(sys.argv[1:] if argv is None else argv))]
+    records = [runner.header(seed, status, argv=list(sys.argv[1:] if argv is None else argv),
+                             registration=args.registration or "record")]
+    if args.decode_step:
+        from oproj_jax.bench import decode_step
+
+        records += decode_step.run(wanted, tokens, layers=args.layers, reps=args.reps or 30,
+                                   log=lambda m: print(m, file=sys.stderr, flush=True))
+        print(report.decode_step_table(records))
+        if args.json:
+            report.write_json(records, args.json)
+        return 0
     cases = bench_inputs.HostCases(bench_configs, seed)
     try:
         if args.check:

@@ -13,7 +13,7 @@
     not assumed).
 
 Prefix: bitwise mismatches against the reference backend on the same device and against the
-numpy model of the SPEC order (inputs.model_prefix). Output: rel L2 against testing.output_f64
+numpy model of the spec's order (docs/spec.md) (inputs.model_prefix). Output: rel L2 against testing.output_f64
 from the backend's own prefix. xmoe: bitwise against the output with -0.0 made +0.0.
 """
 
@@ -93,7 +93,7 @@ class Checker:
         )
         if reference_prefix is not None:
             record["prefix_mismatch"] = int(np.count_nonzero(testing.bits(prefix) != testing.bits(reference_prefix)))
-        else:  # the reference itself: held to the numpy model of the SPEC order
+        else:  # the reference itself: held to the numpy model of the spec's order (docs/spec.md)
             record["prefix_mismatch"] = record["prefix_mismatch_model"]
         if config.xmoe_replicas:
             clean = testing.bits(output).copy()

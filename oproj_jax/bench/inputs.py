@@ -1,7 +1,7 @@
 """Inputs for the checks and the timings.
 
 Host side: `host_case(config, seed)` = configs.make_inputs plus the independent numpy model of
-the prefix (the SPEC's f32 summation order, rounded where the SPEC rounds) and, for twoshot
+the prefix (docs/spec.md's f32 summation order, rounded where the spec rounds) and, for twoshot
 configs, the one-slot gather row the consumer sees. Large cases take tens of seconds of numpy,
 so `HostCases` can build them in worker processes while the GPU works on the small ones.
 
@@ -30,7 +30,7 @@ class HostCase:
     config: configs.Config
     seed: int
     inputs: dict  # make_inputs' arrays; for twoshot, "mailbox" is the [1, T, H] gather row
-    expected_prefix: np.ndarray  # [T, H] bf16: the numpy model of the SPEC's prefix
+    expected_prefix: np.ndarray  # [T, H] bf16: the numpy model of the spec's prefix (docs/spec.md)
 
 
 def _bf16(x):  # f32 numpy -> ml_dtypes bf16 (round to nearest even)
@@ -40,7 +40,7 @@ def _bf16(x):  # f32 numpy -> ml_dtypes bf16 (round to nearest even)
 
 
 def model_rank_sum(mailbox, groups: int) -> np.ndarray:  # [R, T, H] bf16 -> [T, H] f32
-    """SPEC summation order in numpy f32: group g sums its S = ceil(R/G) slots left to right,
+    """The spec's summation order (docs/spec.md) in numpy f32: group g sums its S = ceil(R/G) slots left to right,
     then group 0 adds the other groups' sums in order. -0.0 is published as +0.0 first."""
     R = mailbox.shape[0]
     per_group = -(-R // groups)

@@ -69,12 +69,29 @@ def timing_table(records: list[dict]) -> str:
         )
         for r in rows
     ]
-    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    return "\n".join(lines + _render(table))
+
+
+def _render(table: list[tuple[str, ...]]) -> list[str]:
+    """Text rows of a table whose first row is the head: first column left-aligned, the rest right."""
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    lines = []
     for j, row in enumerate(table):
         lines.append("  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))))
         if j == 0:
             lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return lines
+
+
+def decode_step_table(records: list[dict]) -> str:
+    """The decode-step records: step time with and without the consumer, its share per layer."""
+    rows = sorted((r for r in records if r.get("kind") == "decode_step"), key=lambda r: (r["T"], r["loop"], r["backend"]))
+    head = ("backend", "loop", "T", "us/step", "us/step w/o", "us consumer/layer")
+    table = [head] + [(r["backend"], r["loop"], str(r["T"]), _fmt(r["us_step"], ".1f"),
+                       _fmt(r["us_step_without_consumer"], ".1f"), _fmt(r["us_consumer_per_layer"], ".2f"))
+                      for r in rows]
+    layers = rows[0]["layers"] if rows else "?"
+    return "\n".join([f"decode step of {layers} layers (o-proj GEMM, consumer, MoE stand-in), one GPU"] + _render(table))
 
 
 def check_table(records: list[dict]) -> str:

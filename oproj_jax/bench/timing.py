@@ -1,7 +1,7 @@
 """Device time per call, measured as the slope of unrolled chains of dependent calls.
 
 Why not a loop: a jitted `fori_loop` pays ~11 us of host round trip per iteration on the H200
-and XLA hoists loop-invariant work out of it (PLATFORM.md). Instead one jit holds K calls in
+and XLA hoists loop-invariant work out of it (docs/perf.md). Instead one jit holds K calls in
 straight-line code: call i reads its own input set (distinct buffers, so XLA can neither CSE
 nor hoist anything), takes the previous call's prefix as its prefix (so every call depends on
 the one before and none can be dropped or reordered), and every output is returned (kept
@@ -112,15 +112,33 @@ def _run_once(fn, args) -> float:
     return elapsed * 1e6
 
 
+def _run_pipelined(fn, args_of, first: int, n: int) -> float:
+    """Mean wall time in us of n executions dispatched back to back (JAX dispatches
+    asynchronously: the host prepares execution i+1 while the device runs execution i), each on
+    its own argument set, waited for once at the end."""
+    start = time.perf_counter()
+    outs = [fn(*args_of(first + i)) for i in range(n)]
+    jax.block_until_ready(outs)
+    elapsed = time.perf_counter() - start
+    del outs
+    return elapsed * 1e6 / n
+
+
 def mad(values) -> float:
     m = statistics.median(values)
     return statistics.median(abs(v - m) for v in values)
 
 
-def slope(fn1, fn2, args_of, k1: int, k2: int, reps: int, warmup: int = 2) -> tuple[float, float, float, float]:
+def slope(fn1, fn2, args_of, k1: int, k2: int, reps: int, warmup: int = 2,
+          pipelined: int = 0) -> tuple[float, float, float, float]:
     """(per-call us, median t(K1) us, median t(K2) us, noise us); K1 and K2 executions
     interleaved, each on the next argument set of args_of(i). noise = (MAD(t1) + MAD(t2)) /
-    (K2 - K1): a rough per-call uncertainty of the slope."""
+    (K2 - K1): a rough per-call uncertainty of the slope.
+
+    pipelined=0: every execution is waited for before the next is dispatched (host and device
+    times add up per execution). pipelined=n: each sample is the mean of n executions
+    dispatched back to back (_run_pipelined), as a decode loop that never reads its results on
+    the host runs them: the host's work for one execution overlaps the device's for the last."""
     i = 0
     for _ in range(warmup):  # compile, first touch, allocator warm-up
         for fn in (fn1, fn2):
@@ -128,6 +146,11 @@ def slope(fn1, fn2, args_of, k1: int, k2: int, reps: int, warmup: int = 2) -> tu
             i += 1
     t1, t2 = [], []
     for _ in range(reps):
+        if pipelined:
+            t1.append(_run_pipelined(fn1, args_of, i, pipelined))
+            t2.append(_run_pipelined(fn2, args_of, i + pipelined, pipelined))
+            i += 2 * pipelined
+            continue
         t1.append(_run_once(fn1, args_of(i)))
         t2.append(_run_once(fn2, args_of(i + 1)))
         i += 2

@@ -1,0 +1,110 @@
+"""The benchmark of record on one GPU: the chain slope (what a jitted loop pays per call) of each
+backend, measured in several separate processes, the median kept; then the decode step.
+
+  PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/record.py --out-dir $OUT
+
+Each process is `python -m oproj_jax.bench` (bench/timing.py: slope of unrolled chains of
+dependent calls, rotated input sets, every execution waited for); the first also takes the
+profiler's kernel time (`us_kernels`). Single slopes at T=1 move by several microseconds from
+one process to the next, so the record is the median over the processes, with every process's
+value kept (`us_runs`). Writes <out-dir>/<date>-<device>-<name>.json: a header, one record per
+backend and T (kind "timing", "record": true), the decode-step records, and the processes' logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+
+def bench(args: list[str], timeout: float) -> tuple[list[dict], str]:
+    """Runs `python -m oproj_jax.bench ARGS --json F` in a fresh process; (records, log)."""
+    path = f"/tmp/oproj_record_{os.getpid()}_{time.monotonic_ns()}.json"
+    try:
+        done = subprocess.run([sys.executable, "-m", "oproj_jax.bench", *args, "--json", path],
+                              capture_output=True, text=True, timeout=timeout)
+        log = done.stdout + done.stderr
+    except subprocess.TimeoutExpired as err:
+        log = f"timed out after {timeout} s: {err.stdout or ''}{err.stderr or ''}"
+    try:
+        with open(path) as f:
+            return json.load(f), log
+    except (OSError, ValueError):
+        return [], log
+
+
+def merge(runs: list[list[dict]]) -> list[dict]:
+    """One record per (backend, T): the median slope over the processes that timed it."""
+    by_key: dict[tuple, list[dict]] = {}
+    for records in runs:
+        for r in records:
+            if r.get("kind") == "timing":
+                by_key.setdefault((r["backend"], r["T"]), []).append(r)
+    merged = []
+    for (backend, T), rs in sorted(by_key.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        kernels = [r["us_kernels"] for r in rs if r.get("us_kernels") is not None]
+        first = rs[0]
+        merged.append(dict(
+            kind="timing", record=True, backend=backend, T=T, R=first["R"], NB=first["NB"], groups=first["groups"],
+            has_delta=first["has_delta"], us=statistics.median(r["us"] for r in rs), us_runs=[r["us"] for r in rs],
+            us_kernels=statistics.median(kernels) if kernels else None, noise_us=[r.get("noise_us") for r in rs],
+            device=first["device"], date=first["date"], bytes=first.get("bytes"),
+            method=f"median over {len(rs)} processes of: {first['method']}; us_kernels: the profiler's kernel time "
+                   "per call in the chain"))
+    return merged
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out-dir", required=True)
+    parser.add_argument("--processes", type=int, default=3)
+    parser.add_argument("--backends", default="cute,pallas,reference")
+    parser.add_argument("--tokens", default="1,8,64,512,4096")
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--decode-tokens", default="1,64")
+    parser.add_argument("--timeout", type=float, default=200.0, help="seconds per process")
+    parser.add_argument("--name", default="record", help="file name suffix: <date>-<device>-<name>.json")
+    args = parser.parse_args(argv)
+
+    common = ["--backends", args.backends, "--tokens", args.tokens, "--reps", str(args.reps)]
+    runs, logs = [], {}
+    for i in range(args.processes):
+        records, log = bench(common + ([] if i == 0 else ["--no-profile"]), args.timeout)
+        runs.append(records)
+        logs[f"process {i}"] = log[-6000:]
+        print(f"process {i}: {sum(r.get('kind') == 'timing' for r in records)} timings", flush=True)
+    decode, log = ([], "") if not args.decode_tokens else bench(
+        ["--decode-step", "--backends", args.backends, "--tokens", args.decode_tokens, "--reps", "30"], args.timeout)
+    logs["decode step"] = log[-6000:]
+    for r in decode:
+        if r.get("kind") == "decode_step":
+            r["record"] = True
+    header = next((r for r in runs[0] if r.get("kind") == "header"), {"kind": "header"})
+    records = [header, *merge(runs), *(r for r in decode if r.get("kind") == "decode_step"),
+               *(r for rs in runs for r in rs if r.get("kind") in ("error", "copy"))]
+    device = "".join(c if c.isalnum() else "-" for c in str(header.get("device", "gpu")).lower()).strip("-")
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    path = os.path.join(args.out_dir, f"{date}-{device}-{args.name}.json")
+    with open(path, "w") as f:
+        json.dump(dict(records=records, logs=logs), f, indent=1)
+    print(f"wrote {path}")
+    print(f"{'backend':10s} {'T':>5s} {'us (median)':>12s}  {'runs':24s} {'us_kernels':>10s}")
+    for r in records:
+        if r.get("kind") == "timing":
+            runs_text = "/".join(f"{u:.2f}" for u in r["us_runs"])
+            print(f"{r['backend']:10s} {r['T']:5d} {r['us']:12.2f}  {runs_text:24s} "
+                  f"{r['us_kernels'] if r['us_kernels'] is None else round(r['us_kernels'], 2)!s:>10s}")
+        elif r.get("kind") == "decode_step":
+            print(f"decode {r['backend']:9s} {r['loop']:8s} T={r['T']:4d} {r['us_step']:9.1f} us/step, "
+                  f"consumer {r['us_consumer_per_layer']:6.2f} us/layer")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
