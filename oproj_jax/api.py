@@ -177,10 +177,53 @@ def consumer(
     xmoe_replicas: int = 0,
     backend: str = "auto",
 ) -> ConsumerResult:
-    """The O-projection all-reduce consumer (SPEC.md): rank sum, prefix update, AttnRes, RMSNorm.
+    """The O-projection all-reduce consumer: rank sum, prefix update, AttnRes, RMSNorm.
 
-    `groups` fixes the f32 summation order of the rank slots (and so the prefix bits);
-    `backend` is "auto", "reference", "pallas" or "cute".
+    One rank's step after a tensor-parallel attention: sums the R partial o-projections in
+    `mailbox` in a fixed f32 order, adds the result into the block residual `prefix` (bf16),
+    mixes the completed `blocks` and the new prefix with Block Attention Residuals (a softmax
+    over depth) and applies the next sub-layer's RMSNorm. The function, its rounding points and
+    the numerics every backend meets are defined in docs/spec.md.
+
+    Arrays (all bfloat16; T tokens, H hidden, R ranks, NB completed blocks):
+      mailbox   [R, T, H]   slot r holds rank r's partial o-projection (R >= 1).
+      prefix    [T, H]      the running residual of the current block (read only if has_delta).
+      blocks    [T, NB, H]  the completed block representations, 0 <= NB <= 8 (NB = 0: none).
+      norm      [H]         AttnRes key RMSNorm weight.
+      query     [H]         AttnRes pseudo-query.
+      out_norm  [H]         RMSNorm weight of the next sub-layer's input.
+
+    Options (keyword-only, static: each value compiles its own program):
+      eps            float >= 0, default 1e-6: epsilon of the key RMSNorm inside AttnRes.
+      out_eps        float >= 0, default 1e-6: epsilon of the output RMSNorm.
+      has_delta      bool, default True: new prefix = old prefix + rank sum; False: the rank sum
+                     replaces the prefix (the first layer of a new block).
+      groups         int 1..4, default 4: the summation order of the R slots (S = ceil(R/groups)
+                     slots per group, each group left to right, then the group sums in group
+                     order). It fixes the prefix bits; every backend follows it.
+      xmoe_replicas  int >= 0, default 0: copies of the output to return in `xmoe` (-0.0
+                     written as +0.0, for MoE consumers that poll them); 0 returns None.
+      backend        "auto" (default), "reference", "pallas" or "cute":
+                       "reference"  the jnp definition; runs wherever JAX runs.
+                       "pallas"     the Pallas Mosaic GPU kernel on a Hopper GPU; on a CPU it
+                                    runs in interpret mode (slow; for tests). Needs H % 256 == 0.
+                       "cute"       the CuTe kernel through XLA FFI on an sm_90a GPU, with the
+                                    built FFI library and cubins (python -m oproj_jax.build);
+                                    H = 7168 only, and only the built variants.
+                       "auto"       on a GPU the first of "cute", "pallas" that can run and
+                                    handles the shape; on a CPU (or when no kernel can) the
+                                    reference. It never picks interpret mode.
+                     Naming a backend that cannot run raises ValueError with the reason
+                     (nothing falls back silently); see available_backends().
+
+    Returns a ConsumerResult (a NamedTuple):
+      prefix  [T, H] bf16: the updated residual. GPU kernels alias it to the `prefix` argument:
+              donate `prefix` in a jitted caller to update it in place.
+      output  [T, H] bf16: the normalized input of the next sub-layer.
+      xmoe    [xmoe_replicas, T, H] bf16, or None when xmoe_replicas == 0.
+
+    Raises TypeError (wrong dtype or type) or ValueError (shape, range, backend) naming the
+    argument, before anything is traced or launched. Works eagerly and under jax.jit.
     """
     options = dict(eps=eps, out_eps=out_eps, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas)
     dims = check_arguments(mailbox, prefix, blocks, norm, query, out_norm, **options)

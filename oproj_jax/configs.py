@@ -72,7 +72,7 @@ MID_NB = (
 )
 GPU_CHECKS = PARITY + tuple(Config(TP, t, 8) for t in CHECK_T if t not in (1, 3, 64)) + MID_NB
 
-# Timed configuration (issues 3 and 4): R=16, NB=8, has_delta, groups=4.
+# Timed configuration (the benchmark of record, docs/perf.md): R=16, NB=8, has_delta, groups=4.
 BENCH_T = (1, 8, 64, 512, 4096)
 BENCH = tuple(Config(TP, t, 8) for t in BENCH_T)
 

@@ -1,8 +1,8 @@
-"""The op in plain jnp: SPEC.md in code. Every other backend is held to this function.
+"""The op in plain jnp: docs/spec.md ("Arithmetic") in code. Every other backend is held to this function.
 
-The op is equivalent to this JAX code. f32 throughout after one upcast (products and sums written out elementwise, so no
-backend's matmul precision, e.g. TF32 on GPUs, enters); the only rounding
-points are the ones the seed kernel has, each marked `# ROUND`.
+f32 throughout after one upcast (products and sums written out elementwise, so no backend's
+matmul precision, e.g. TF32 on GPUs, enters); the only rounding points are the ones the
+original kernel has, each marked `# ROUND`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def unsupported_reason(dims: Dims, **options) -> str | None:
 
 
 def published(mailbox):  # [R, T, H] bf16 -> same
-    """What a producer publishes: every -0.0 stored as +0.0 (SPEC, mailbox protocol).
+    """What a producer publishes: every -0.0 stored as +0.0 (docs/spec.md, "Mailbox protocol").
 
     A published slot can never look like the sentinel; summing published values also fixes
     the sign of an exact-zero sum, so every backend agrees on the prefix bits.
@@ -33,8 +33,9 @@ def published(mailbox):  # [R, T, H] bf16 -> same
 
 
 def rank_sum(partials, groups: int):  # [R, T, H] f32 -> [T, H] f32
-    """The seed's order: group g sums ranks g*S .. g*S+S-1 left to right (S = ceil(R/G)),
-    then group 0 adds the other groups' sums in group order. groups=1: plain rank order."""
+    """The summation order (docs/spec.md, "Summation order"): group g sums ranks g*S .. g*S+S-1
+    left to right (S = ceil(R/G)), then group 0 adds the other groups' sums in group order.
+    groups=1: plain rank order."""
     ranks = partials.shape[0]
     per_group = -(-ranks // groups)
     group_sums = []

@@ -1,7 +1,7 @@
-"""The op in PyTorch, written from SPEC.md independently of `oproj_jax.reference` (no shared code).
+"""The op in PyTorch, written from docs/spec.md independently of `oproj_jax.reference` (no shared code).
 
 A second opinion for the tests and the benchmark: it runs on CPU and CUDA tensors, uses no JAX,
-and computes the AttnRes mix in the seed kernel's *streaming* form (unnormalized block softmax,
+and computes the AttnRes mix in the original kernel's *streaming* form (unnormalized block softmax,
 then one quadratic form for the output RMSNorm with the epsilon scaled by den^2), where the jnp
 reference uses the direct softmax form. The prefix is bit-exact (same rounding points, same
 summation order, explicit left-to-right adds); the output agrees with the reference to f32
@@ -83,14 +83,15 @@ def _check(torch, mailbox, prefix, blocks, norm, query, out_norm, groups, xmoe_r
 
 
 def _ordered_rank_sum(slots, groups: int):  # R x [T, H] f32 -> [T, H] f32
-    """SPEC order: S = ceil(R / groups) slots per group, each group left to right, then group 0
-    adds group 1, 2, ... in order. Plain tensor adds, so nothing is reassociated."""
+    """The summation order of docs/spec.md: S = ceil(R / groups) slots per group, each group
+    left to right, then group 0 adds group 1, 2, ... in order. Plain tensor adds, so nothing is
+    reassociated."""
     per_group = (len(slots) + groups - 1) // groups
     group_totals = []
     for g in range(groups):
         mine = slots[g * per_group : (g + 1) * per_group]
         if not mine:
-            continue  # the seed adds an all-zero sum here; x + 0.0 == x for non -0.0 x
+            continue  # the original kernel adds an all-zero sum here; x + 0.0 == x for non -0.0 x
         total = mine[0]
         for slot in mine[1:]:
             total = total + slot
@@ -139,7 +140,7 @@ def consumer(
     if nb == 0:
         scaled = p * rstd(p_sq, out_eps)[:, None]
     else:
-        # Streaming form (the seed's): unnormalized softmax over the blocks, then fold in p.
+        # Streaming form (the original kernel's): unnormalized softmax over the blocks, then fold in p.
         b = blocks.to(f32)  # [T, NB, H]
         block_logit = (b * w).sum(-1) * rstd((b * b).sum(-1), eps)  # [T, NB]
         block_max = block_logit.max(dim=-1).values  # [T]

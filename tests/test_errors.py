@@ -90,8 +90,8 @@ CASES = [
     ("backend-not-str", {}, dict(backend=3), TypeError, ["backend:", "str", "int"]),
 ]
 
-# has_delta: check_arguments rejects a non-bool, but api.consumer applies bool() to has_delta
-# *before* calling check_arguments, so these never reach the check (reported to the lead).
+# has_delta: a non-bool is rejected by check_arguments and by api.consumer, which checks the
+# options as given, before it turns them into plain Python scalars (bool(1) would pass).
 HAS_DELTA_CASES = [
     ("has_delta-int", 1, TypeError, ["has_delta:", "bool", "int"]),
     ("has_delta-none", None, TypeError, ["has_delta:", "bool", "NoneType"]),
@@ -153,7 +153,7 @@ def test_has_delta_not_bool_consumer(value, error, texts):
 
 
 def kernel_module(name: str):
-    """The backend's module, or a skip when its file is not written yet (another issue's work)."""
+    """The backend's module, or a skip when its module is missing from this checkout."""
     path = api._BACKENDS[name]
     try:
         return importlib.import_module(path)

@@ -1,5 +1,6 @@
-"""The examples run as a user runs them (a fresh process, CPU-simulated 16 devices) and say
-what they should: exit 0 and the expected lines."""
+"""The examples (and the README's quickstart) run as a user runs them (a fresh process,
+CPU-simulated 16 devices for the examples) and say what they should: exit 0 and the expected
+lines."""
 
 import math
 import os
@@ -46,3 +47,23 @@ def test_decode_loop():
     assert len(set(sums)) == len(sums), f"the state should change from step to step:\n{out}"
     assert re.search(r"^call 1 \(4 steps\): [\d.]+ ms, [\d.]+ ms/step$", out, re.MULTILINE), out
     assert "done: 8 steps, checksums finite: True" in out, out
+
+
+def test_readme_quickstart():
+    """The README's first ```python block runs as pasted, on a CPU, in a fresh process."""
+    readme = (REPO / "README.md").read_text()
+    match = re.search(r"^```python\n(.*?)^```", readme, re.MULTILINE | re.DOTALL)
+    assert match, "README.md has no ```python block"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}")
+    try:
+        done = subprocess.run([sys.executable, "-c", match.group(1)], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the README quickstart did not finish within {TIMEOUT_S} s")
+    assert done.returncode == 0, f"the README quickstart exited {done.returncode}\n{done.stdout}\n{done.stderr}"
+    out = done.stdout
+    assert "prefix (4, 7168) bfloat16" in out, out
+    assert "output (4, 7168) bfloat16" in out, out
+    assert "xmoe (2, 4, 7168)" in out, out
+    assert "jitted (4, 7168)" in out, out

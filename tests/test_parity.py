@@ -1,7 +1,7 @@
-"""Parity: one test body for every backend and every config of configs.PARITY (SPEC.md numerics).
+"""Parity: one test body for every backend and every config of configs.PARITY (docs/spec.md, "Numerics").
 
 Expected values never come from the code under test:
-  prefix  -- bit-exact against a numpy float32 model of the seed's summation order, written here;
+  prefix  -- bit-exact against a numpy float32 model of the summation order, written here;
   output  -- rel_l2 against testing.output_f64, computed from the backend's own prefix;
   xmoe    -- every replica is the output with -0.0 written as +0.0.
 Twoshot configs call the consumer with the one-slot gather row (R = 1, groups = 1); their prefix
@@ -57,8 +57,8 @@ BACKENDS = {"reference": run_reference, "torch": run_torch}
 
 
 def ordered_sum_f32(mailbox, groups: int):  # [R, T, H] bf16 -> [T, H] f32
-    """SPEC order in numpy float32: S = ceil(R / groups) slots per group, each group left to
-    right, group 0 then adds the other groups' sums in group order. Elementwise f32 adds are
+    """The summation order of docs/spec.md in numpy float32: S = ceil(R / groups) slots per
+    group, each group left to right, group 0 then adds the other groups' sums in group order. Elementwise f32 adds are
     correctly rounded, so this is the f32 result of exactly that order."""
     slots = np.asarray(mailbox, np.float32)
     slots = np.where(slots == 0, np.float32(0), slots)  # published: -0.0 arrives as +0.0
@@ -212,7 +212,7 @@ def test_xmoe_sanitizes_negative_zero_output(backend):
     arrays["mailbox"][:, 1, 9] = 0.0  # so p[1, 9] = +0.0
     arrays["out_norm"][9] = -1.0
     prefix, output, xmoe = BACKENDS[backend](arrays, **config.options())
-    assert testing.bits(output)[1, 9] == 0x8000, "SPEC arithmetic: +0.0 * rstd * -1 is -0.0"
+    assert testing.bits(output)[1, 9] == 0x8000, "docs/spec.md arithmetic: +0.0 * rstd * -1 is -0.0"
     check_output(prefix, output, arrays)
     check_xmoe(output, xmoe, config.xmoe_replicas)
 

@@ -1,8 +1,8 @@
 """CPU checks of the arithmetic the CuTe kernel's single exchange relies on (oproj_jax/cute/row_stats.py).
 
-The kernel gets G = b_i . b_j, b.w, b.p, p.p and p.w in one cluster exchange and forms the seed's
-second-exchange values from them: mix.mix = e^T G e and mix.p = sum_b e_b (b.p). Its tensor-core
-dots need w = norm * query as two bf16 values, w = w_hi + w_lo exactly. These tests check those
+The kernel gets G = b_i . b_j, b.w, b.p, p.p and p.w in one cluster exchange and forms the
+original kernel's second-exchange values from them: mix.mix = e^T G e and mix.p = sum_b e_b (b.p).
+Its tensor-core dots need w = norm * query as two bf16 values, w = w_hi + w_lo exactly. These tests check those
 two facts independently of the kernel (numpy, exact or f64), and the statistic layout's index
 arithmetic the kernel evaluates per lane.
 """

@@ -1,4 +1,5 @@
-"""Our CuTe-DSL port of the seed's consumer kernel, built ahead of time into sm_90a cubins.
+"""Our CuTe-DSL port of the original CuTe-DSL consumer kernel for PyTorch/vLLM, built ahead of
+time into sm_90a cubins.
 
 kernel.py (the kernel), primitives.py (PTX helpers), build.py (cubins + manifest.json),
 manifest.py (find a variant). Importing this package imports nothing heavy: the CuTe DSL is

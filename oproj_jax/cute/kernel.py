@@ -1,4 +1,5 @@
-"""The consumer kernel in CuTe DSL: our port of the seed's OprojConsumer (SPEC.md, seed page).
+"""The consumer kernel in CuTe DSL: our port of OprojConsumer, the original CuTe-DSL kernel for
+PyTorch/vLLM (the function: docs/spec.md; the launch contract: ABI.md).
 
 One token per cluster of 7 CTAs (grid (7, T)), 128 * groups threads per CTA. Thread i of
 group 0 in CTA c owns the 8 contiguous elements h = (c*128 + i)*8 .. +7 of the hidden row.
@@ -16,22 +17,23 @@ Timeline of one CTA:
            statistic of its slice (row_stats: the blocks' Gram matrix, b.w, b.p on the tensor
            cores; p.p, p.w as 8-wide dots and a warp butterfly), 4 warps via smem, one exchange
            to the 7 CTAs via st.async (DSMEM); from the totals the block softmax kept
-           unnormalized and the seed's quadratic form (eps scaled by den^2); mix, output, xmoe
+           unnormalized and the original kernel's quadratic form (eps scaled by den^2); mix, output, xmoe
            replicas (-0 -> +0), hints.
   (NB = 0: output = RMSNorm(p); the exchange carries p.p only.)
 
-The seed exchanges twice: block statistics before the rank sum, then mix.mix and mix.p after
-the softmax. Both of the latter are arithmetic on sums the first exchange can carry (the Gram
-matrix and b.p; row_stats), so one exchange after the rank sum replaces the two: on the H200
-the median CTA at T=1 went from ~4700 to ~3850 cycles and the kernel from 3.0 to 2.9 us; at
-T=64 the kernel took 0.1-0.2 us longer (benchmarks/results/README.md, run 10).
+The original kernel exchanges twice: block statistics before the rank sum, then mix.mix and
+mix.p after the softmax. Both of the latter are arithmetic on sums the first exchange can carry
+(the Gram matrix and b.p; row_stats), so one exchange after the rank sum replaces the two. On
+the H200 that took the second round trip off the critical path at small T (faster at T=1),
+at the price of a slightly slower T=64, where every CTA of a cluster now waits for its slowest
+sibling's mailbox before the mix (docs/perf.md, tuning history).
 
 PDL: `griddepcontrol.launch_dependents` on entry; `griddepcontrol.wait` right after the
-shared-memory setup and BEFORE the first global read. The seed waits at exit, which is only
+shared-memory setup and BEFORE the first global read. The original kernel waits at exit, which is only
 safe when every input it reads early arrives through the polled mailbox; under XLA the
 previous kernel writes prefix, blocks and the mailbox with ordinary stores, and PDL gives no
 visibility of those before the wait. The launch latency and setup still overlap the previous
-kernel; the later `wait` the seed has at exit is then a no-op and is left out.
+kernel; the later `wait` the original kernel has at exit is then a no-op and is left out.
 
 Bounded polling: with spin_limit > 0 a poll gives up after that many rounds, stores a code
 into `status` (1: mailbox, 2: twoshot receive slots) and continues with whatever it read.
@@ -48,9 +50,9 @@ nothing is re-armed, so the mailbox is only read and may hold real -0.0 values. 
 adds +0.0 last, which turns an all-(-0.0) sum into +0.0 exactly as summing published data
 (-0 -> +0) would, and leaves every other sum unchanged: the prefix bits match either way.
 From READY_NC_MIN_T tokens on, those one-shot loads are non-coherent (ld.global.nc: the data
-cannot change during the kernel, which is what .nc requires). In A/B runs on the H200
-(results README run 12; profiler kernel time, L2-cold) that took T=64 from 9.26-9.37 to
-9.20-9.23 us but cost 0.1-0.2 us at T=16 and T=32: fewer tokens keep the volatile load.
+cannot change during the kernel, which is what .nc requires). On the H200 that was faster at
+T=64 and slower at T=16 and T=32 (docs/perf.md, tuning history): fewer tokens keep the
+volatile load.
 """
 
 from __future__ import annotations
@@ -150,7 +152,8 @@ class OprojConsumer:
         """cp.async 16 bytes of the CTA's slice of a global row into smem row `row`, swizzled as
         self.chunk says. Thread t writes smem chunk t and reads the global chunk that belongs
         there (t ^ (row % 8), in the same 128-byte line): the warp still reads its 4 whole lines
-        and its smem destinations stay linear (a permuted destination was no faster; run 10)."""
+        and its smem destinations stay linear (a permuted destination was no faster on
+        the H200)."""
         P.cp_async16(smem + self.layout.pf + row * ROW_BYTES + t * 16, slice_start + (t ^ (row % 8)) * 16)
 
     def fragment(self, smem, row, t):  # 8 f32 from one 16-byte smem chunk
@@ -270,7 +273,7 @@ class OprojConsumer:
                           STATUS_RECV)
                 if cutlass.const_expr(first == 0):
                     total = self.sum_slots(raw, n)
-                else:  # fold each slot into the running sum: plain rank order, as SPEC says
+                else:  # fold each slot into the running sum: plain rank order (docs/spec.md, "Twoshot")
                     total = self.fold_slots(total, raw, n)
             words = [P.without_negative_zero(P.pack(total[2 * j], total[2 * j + 1]))
                      for j in range(4)]
@@ -326,7 +329,7 @@ class OprojConsumer:
                         raw[4 * k + j] = words[j]
             # group 2: the blocks, needed only after the rank sum. Waiting for group 1 alone lets
             # the rank sum run while they land (ptxas still issues them before the mailbox
-            # loads; the split wait is what gains: T=64 -0.1 us, results README run 12)
+            # loads; the split wait is what gains at T=64 on the H200, docs/perf.md)
             for b in cutlass.range_constexpr(NB):
                 self.prefetch(smem, 4 + b, t, blocks + ((Int64(token) * NB + b) * H + cta) * 2)
             P.cp_async_commit()

@@ -86,7 +86,7 @@ def max_f32(a, b):
     return asm("max.f32 $0, $1, $2;", (Float32,), ((Float32, a), (Float32, b)))
 
 
-def exp_approx(x):  # e^x with ex2.approx (the seed's fastmath exp)
+def exp_approx(x):  # e^x with ex2.approx (the original kernel's fastmath exp)
     return asm(
         "{ .reg .f32 t; mul.f32 t, $1, 0f3FB8AA3B; ex2.approx.ftz.f32 $0, t; }",
         (Float32,),
@@ -95,7 +95,7 @@ def exp_approx(x):  # e^x with ex2.approx (the seed's fastmath exp)
 
 
 def rstd(sum_of_squares, eps, hidden: int):
-    """1 / sqrt(s / H + eps) (mean-square RMSNorm), rsqrt.approx like the seed's fastmath."""
+    """1 / sqrt(s / H + eps) (mean-square RMSNorm), rsqrt.approx like the original kernel's fastmath."""
     mean = fma_rn(sum_of_squares, Float32(1.0 / hidden), eps)
     return asm("rsqrt.approx.f32 $0, $1;", (Float32,), ((Float32, mean),))
 

@@ -7,9 +7,9 @@ one exchange carries all of them:
   G[i][j] = b_i . b_j (i <= j)   the blocks' Gram matrix: |b|^2 for the keys, and mix . mix
   b.w, b.p, p.p, p.w             w = norm * query (the folded key weight)
 
-The seed's second exchange (mix.mix and mix.p, after the softmax) is then arithmetic on these
+The original kernel's second exchange (mix.mix and mix.p, after the softmax) is then arithmetic on these
 sums: mix = sum_b e_b b_b gives mix.mix = e^T G e and mix.p = sum_b e_b (b.p), the same values
-in exact arithmetic; in f32 they differ by rounding only (SPEC: "in f32 they agree to rounding").
+in exact arithmetic; in f32 they differ by rounding only (docs/spec.md, "Arithmetic").
 
 Per warp, G, b.w and b.p come from tensor-core mma (m16n8k16, bf16 in, f32 accumulate) over the
 warp's 256 elements: A = [b_0..b_7; w_hi; w_lo; p; p ...] (16 rows), B = [b_0..b_7] (8 columns).
@@ -25,7 +25,7 @@ from cutlass import Float32
 from oproj_jax.cute import primitives as P
 
 STRIDE = 64  # f32 slots per warp / per CTA in the exchange arrays (54 used at NB = 8)
-CHAINS = 4  # independent mma chains per warp: 4 beat 2 and 8 on the H200 (results README, run 12)
+CHAINS = 4  # independent mma chains per warp: 4 were faster than 2 and 8 on the H200 (docs/perf.md)
 STEPS = 16  # mma k-steps per warp: 256 elements, 16 each
 
 
@@ -105,8 +105,9 @@ def warp_stats(kernel, smem, p, p_words, weight, t, warp, lane):
 
 
 def mix_scales(kernel, smem, eps, out_eps):
-    """From the cluster totals in blk: the block softmax kept unnormalized (exps, the seed's
-    streaming form) and the two scales of y = ca * mix + cp * p, output RMSNorm folded in."""
+    """From the cluster totals in blk: the block softmax kept unnormalized (exps, the original
+    kernel's streaming form) and the two scales of y = ca * mix + cp * p, output RMSNorm folded
+    in."""
     L, NB, S, H = kernel.layout, kernel.NB, kernel.stats, kernel.H
 
     def total(k):
@@ -139,7 +140,7 @@ def mix_scales(kernel, smem, eps, out_eps):
     alpha = P.exp_approx(P.add_rn(maximum, -mx))
     ep = P.exp_approx(P.add_rn(lp, -mx))
     den = P.fma_rn(alpha, exp_sum, ep)
-    # ||alpha mix + ep p||^2 as the seed's quadratic form; >= 0 in exact arithmetic, clamped so
+    # ||alpha mix + ep p||^2 as the original kernel's quadratic form; >= 0 in exact arithmetic, clamped so
     # that rounding in a cancelling mix can never make it negative (rstd of < 0 is NaN)
     quad = P.fma_rn(P.mul_rn(alpha, alpha), mix_mix,
                     P.fma_rn(P.mul_rn(P.mul_rn(2.0, alpha), ep), mix_p, P.mul_rn(P.mul_rn(ep, ep), pp)))

@@ -2,7 +2,7 @@
 
 One pass over memory per token: the kernel streams the R mailbox rows, the old prefix and the
 NB blocks of a token through a ring of shared-memory slots (TMA, a row viewed as [H/256, 256]),
-sums the ranks in f32 in the seed's group order, writes the bf16 prefix back in place (the
+sums the ranks in f32 in the original kernel's group order (docs/spec.md), writes the bf16 prefix back in place (the
 prefix is a mutable Ref, so the call aliases it: no copy in decode loops), folds the sources
 into an online softmax (running max, denominator and mix, all f32), and stores the RMS-normed
 output and its -0-free replicas. Grid (T,): one CTA (one warpgroup) per token.
@@ -161,7 +161,7 @@ def _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, reps, ring, split, b
                 plgpu.copy_gmem_to_smem(source(i + ring), slot(i), bars.at[i % ring])
             return x
 
-        # Rank sum in the seed's order; -0.0 counts as +0.0 (the first term of every group is
+        # Rank sum in the original kernel's order; -0.0 counts as +0.0 (the first term of every group is
         # the only place a -0.0 can survive an f32 sum, so it is cleaned there).
         with jax.named_scope("rank_sum"):
             total = None
@@ -290,28 +290,16 @@ def cluster_smem_bytes(R: int, NB: int, has_delta: bool, H: int, split: int) -> 
 
 
 def choose_split(T: int, H: int, interpret: bool, R: int = 16, NB: int = 8, has_delta: bool = True) -> dict:
-    """The work split per token for T tokens, chosen by measurement on the H200
-    (benchmarks/pallas_smoke.py --profile, kernel us per call; logs in benchmarks/results/logs:
-    2026-11-30-run{4,6}-pallas_split.txt, run8-pallas_sweep.txt, run9-pallas_push.txt).
-    The first row is the current cluster kernel (dot totals pushed, dead rows reused: 4 CTAs
-    per SM); the others were measured on earlier versions of the cluster path (pulled totals
-    behind cluster barriers, 3 CTAs per SM) and the one-CTA rows before those:
+    """The work split per token for T tokens, chosen by measurement on the H200 (the timings of
+    every split: docs/perf.md, "Pallas: the work split").
 
-      T                 1     8     16    32    48    64    128   256   512
-      split=7 batch=16  3.8   4.6   -     7.2   9.0   10.8  -     -     -     (cluster of 7 CTAs)
-      split=7 batch=16  4.3   5.2   -     7.6   9.8   11.8  -     -     -     (pulled totals, 4/SM)
-      split=7 batch=16  -     -     -     -     -     14.1  -     -     -     (pulled, 3 CTAs/SM)
-      split=7 batch=1   5.5   6.0   -     -     10.1  12.1  -     -     -
-      split=2 batch=1   8.0   9.0   -     10.6  11.2  12.2  24.8  43.1  -     (cluster of 2 CTAs; now 12.8 at 64)
-      split=4 batch=1   -     -     -     9.0   -     15.5  -     -     -     (cluster of 4)
-      ring=4            11.2  12.2  13.0  13.7  14.2  14.8  17.9  35.6  63.0  (one CTA per token)
-      ring=2            11.4  14.4  15.4  16.0  16.4  17.0  19.3  28.4  54.0  (one CTA per token, 2 CTAs/SM)
-
-    and ring=2 at T=4096: 392-396 us. `batch`: mailbox rows per TMA copy with the rows resident
-    (one copy is quicker to issue and wait for at small T; at T=48 and 64, 4, 8 or 16 rows per
-    copy measured the same). A cluster split is taken only where the token's columns divide
-    among 7 CTAs and the resident rows fit in shared memory. Interpret mode has no cluster
-    shared memory: one CTA per token there.
+    Up to SPLIT_MAX_T tokens a cluster of SPLIT = 7 CTAs shares each token (the row's columns
+    divided among them, all its rows resident in shared memory, MAILBOX_BATCH mailbox rows per
+    TMA copy): the fastest layout measured there, well ahead of one CTA per token, and ahead of
+    clusters of 2 or 4. Above that, one CTA per token streaming its rows through a ring of RING
+    shared-memory slots, 2 slots above RING_MAX_T tokens (two CTAs then fit an SM). A cluster
+    split is taken only where the token's columns divide among 7 CTAs and the resident rows fit
+    in shared memory. Interpret mode has no cluster shared memory: one CTA per token there.
     """
     fits = (H // LANES) % SPLIT == 0 and cluster_smem_bytes(R, NB, has_delta, H, SPLIT) <= SMEM_LIMIT
     if not interpret and T <= SPLIT_MAX_T and fits:
