@@ -48,6 +48,10 @@ class Dims(NamedTuple):
 
 
 def check_array(name: str, x: Any, ndim: int, layout: str) -> tuple[int, ...]:
+    if type(x).__module__.split(".")[0] == "torch":
+        raise TypeError(f"{name}: expected a JAX (or numpy) bf16 array of shape {layout}, got a torch.Tensor; convert "
+                        f"it with jax.dlpack.from_dlpack(tensor) (zero-copy on the same device), or use "
+                        f"oproj_jax.torch_ref for PyTorch")
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"{name}: expected a bf16 array of shape {layout}, got {type(x).__name__}")
     try:

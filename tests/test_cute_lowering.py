@@ -136,6 +136,15 @@ def test_registry_consumer_uses_the_ready_kernel(fake_cubins):
     assert aliases == {("0", "1")}
 
 
+def test_vmap_of_the_registry_consumer_calls_the_kernel_per_element(fake_cubins):
+    """jax.vmap over a batch of 2 mailboxes (and prefixes): the ready target runs once per
+    element (vmap_method="sequential": a loop around the one custom call), not an error."""
+    fn = functools.partial(backend.consumer, eps=1e-6, out_eps=1e-6, has_delta=True, groups=2, xmoe_replicas=1)
+    batched = jax.vmap(fn, in_axes=(0, 0, None, None, None, None))
+    text = lower_for_cuda(batched, spec(2, 2, 3, H), spec(2, 3, H), spec(3, 1, H), spec(H), spec(H), spec(H))
+    assert len(custom_calls(text, ffi.READY_TARGET)) == 1 and "stablehlo.while" in text
+
+
 def test_twoshot_lowers_to_our_custom_call(fake_cubins):
     fn = functools.partial(backend.consume_twoshot, me=1, has_delta=False, groups=1, xmoe_replicas=0)
     text = lower_for_cuda(fn, spec(2, 5, H // 2), spec(1, 5, H), spec(5, H), spec(5, 0, H), spec(H), spec(H),

@@ -195,6 +195,14 @@ def test_errors_leave_jax_inputs_usable():
         np.testing.assert_array_equal(testing.bits(v), before[k], err_msg=k)
 
 
+def test_torch_tensor_is_refused_with_the_conversion():
+    torch = pytest.importorskip("torch")
+    arrays = valid_arrays()
+    arrays["mailbox"] = torch.zeros(arrays["mailbox"].shape, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"mailbox: .*got a torch.Tensor; convert it with jax.dlpack.from_dlpack"):
+        oproj_jax.consumer(*arrays.values())
+
+
 def test_torch_ref_without_torch_names_the_extra(monkeypatch):
     from oproj_jax import torch_ref
 

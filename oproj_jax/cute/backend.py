@@ -210,7 +210,8 @@ def consumer(
     T, H = prefix.shape
     out_types = [jax.ShapeDtypeStruct((T, H), jnp.bfloat16), jax.ShapeDtypeStruct((T, H), jnp.bfloat16),
                  jax.ShapeDtypeStruct((xmoe_replicas, T, H), jnp.bfloat16), jax.ShapeDtypeStruct((2,), jnp.uint32)]
-    call = jax.ffi.ffi_call(ffi.READY_TARGET, out_types, input_output_aliases={1: 0})
+    # jax.vmap runs one kernel call per batch element (the kernel has no batch dimension).
+    call = jax.ffi.ffi_call(ffi.READY_TARGET, out_types, input_output_aliases={1: 0}, vmap_method="sequential")
     new_prefix, output, xmoe, _ = call(mailbox, prefix, blocks, norm, query, out_norm,
                                        **_attributes(kernel, eps, out_eps, READY_SPIN_LIMIT, True))
     return ConsumerResult(new_prefix, output, xmoe if xmoe_replicas else None)
