@@ -3,7 +3,7 @@
 The other modes of oproj_jax.sharded move the partials with XLA collectives and hand the
 consumer a complete mailbox. Here each rank's partial goes straight from its GPU into a slot
 of every rank's mailbox, and each rank's consumer polls its own mailbox (the kernel's Lamport
-protocol, SPEC "mailbox protocol"): no XLA collective, one FFI call per rank and step.
+protocol, docs/spec.md "Mailbox protocol"): no XLA collective, one FFI call per rank and step.
 
 Design (C++: oproj_jax/cute/csrc/peer_ffi.cc, which has the exact safety, progress and
 deadlock-freedom arguments):

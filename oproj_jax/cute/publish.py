@@ -3,7 +3,7 @@ every rank's mailbox, in CuTe DSL (built to a cubin by oproj_jax/cute/build.py; 
 
 Thread i of the grid owns 16-byte fragment i of the partial [T, H] (bf16, T*H/8 fragments):
 it loads it once and turns every bf16 -0.0 into +0.0, so no published 32-bit word can be the
-sentinel 0x80000000 (SPEC "mailbox protocol"). Then, for each destination (each rank's slot
+sentinel 0x80000000 (docs/spec.md, "Mailbox protocol"). Then, for each destination (each rank's slot
 `me`, given as byte addresses), it WAITS FOR EMPTY: it polls that destination fragment
 (ld.relaxed.sys.v4) until all four words are the sentinel, i.e. the slot's owner consumed the
 previous step's fragment and re-armed it, and only then stores its data (st.relaxed.sys.v4).
