@@ -179,6 +179,11 @@ def unsupported_reason(dims: Dims, *, has_delta: bool = True, groups: int = 4, x
 
 
 READY_SPIN_LIMIT = -1  # the kernel's ready mode: slots complete at launch, no poll, no re-arm
+# Up to this many tokens the ready call enters XLA's command buffers through its record stage
+# (a graph node with PDL edges); above, through stream capture (ffi.READY_TRACED_TARGET): the
+# grid is then several waves and memory-bound, where XLA's cache configuration of its own
+# module costs more than the host work the record stage saves.
+RECORD_MAX_T = 64
 
 
 def consumer(
@@ -211,7 +216,8 @@ def consumer(
     out_types = [jax.ShapeDtypeStruct((T, H), jnp.bfloat16), jax.ShapeDtypeStruct((T, H), jnp.bfloat16),
                  jax.ShapeDtypeStruct((xmoe_replicas, T, H), jnp.bfloat16), jax.ShapeDtypeStruct((2,), jnp.uint32)]
     # jax.vmap runs one kernel call per batch element (the kernel has no batch dimension).
-    call = jax.ffi.ffi_call(ffi.READY_TARGET, out_types, input_output_aliases={1: 0}, vmap_method="sequential")
+    target = ffi.READY_TARGET if T <= RECORD_MAX_T else ffi.READY_TRACED_TARGET
+    call = jax.ffi.ffi_call(target, out_types, input_output_aliases={1: 0}, vmap_method="sequential")
     new_prefix, output, xmoe, _ = call(mailbox, prefix, blocks, norm, query, out_norm,
                                        **_attributes(kernel, eps, out_eps, READY_SPIN_LIMIT, True))
     return ConsumerResult(new_prefix, output, xmoe if xmoe_replicas else None)

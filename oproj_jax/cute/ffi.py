@@ -38,6 +38,11 @@ import numpy as np
 ONESHOT_TARGET = "oproj_cute_consumer"
 TWOSHOT_TARGET = "oproj_cute_consumer_twoshot"
 READY_TARGET = "oproj_cute_consumer_ready"  # XLA-produced mailbox: read once, no polling, no re-arm
+# The same handlers without a record stage, for many tokens: XLA loads the module of a record
+# stage's launch itself and sets CU_FUNC_CACHE_PREFER_SHARED on it (the smallest L1), and the
+# memory-bound multi-wave grids of large T then ran 18% slower (421 against 357 us at T=4096 on
+# the H200); traced by stream capture, the call launches our own module.
+READY_TRACED_TARGET = "oproj_cute_consumer_ready_traced"
 PEER_TARGET = "oproj_cute_peer"  # mode="peer": publish into the group's mailboxes, then consume (peer_ffi.cc)
 BOOTSTRAP_TARGET = "oproj_cute_register_targets"
 BOOTSTRAP_SYMBOL = "OprojRegisterTargets"
@@ -57,6 +62,7 @@ SYMBOLS = {
     ONESHOT_TARGET: Stages("OprojOneshotInitialize", "OprojOneshotExecute", "OprojOneshotRecord", True),
     TWOSHOT_TARGET: Stages("OprojTwoshotInitialize", "OprojTwoshotExecute", "OprojTwoshotRecord", True),
     READY_TARGET: Stages("OprojOneshotInitialize", "OprojReadyExecute", "OprojReadyRecord", True),
+    READY_TRACED_TARGET: Stages("OprojOneshotInitialize", "OprojReadyExecute", None, True),
     PEER_TARGET: Stages("OprojPeerInitialize", "OprojPeerExecute", "OprojPeerRecord", True),
 }
 # How the targets meet XLA's command buffers (CUDA graphs); set before the first cute call.
