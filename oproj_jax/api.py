@@ -13,17 +13,17 @@ are known to be well formed. Naming a backend that cannot run raises; nothing fa
 
 from __future__ import annotations
 
+import functools
 import importlib
-import math
-import numbers
+import warnings
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from oproj_jax.options import DEFAULTS, MAX_GROUPS, Options  # noqa: F401 (MAX_GROUPS: re-exported)
 
 MAX_BLOCKS = 8
-MAX_GROUPS = 4
 
 # Name -> module. Order matters for "auto": the first kernel that runs and handles the shape.
 _BACKENDS = {
@@ -49,9 +49,11 @@ class Dims(NamedTuple):
 
 def check_array(name: str, x: Any, ndim: int, layout: str) -> tuple[int, ...]:
     if type(x).__module__.split(".")[0] == "torch":
-        raise TypeError(f"{name}: expected a JAX (or numpy) bf16 array of shape {layout}, got a torch.Tensor; convert "
-                        f"it with jax.dlpack.from_dlpack(tensor) (zero-copy on the same device), or use "
-                        f"oproj_jax.torch_ref for PyTorch")
+        raise TypeError(
+            f"{name}: expected a JAX (or numpy) bf16 array of shape {layout}, got a torch.Tensor; convert "
+            f"it with jax.dlpack.from_dlpack(tensor) (zero-copy on the same device), or use "
+            f"oproj_jax.torch_ref for PyTorch"
+        )
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"{name}: expected a bf16 array of shape {layout}, got {type(x).__name__}")
     try:
@@ -65,30 +67,18 @@ def check_array(name: str, x: Any, ndim: int, layout: str) -> tuple[int, ...]:
     return tuple(int(d) for d in x.shape)
 
 
-def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
-    if value < lo or (hi is not None and value > hi):
-        span = f"{lo} <= {name} <= {hi}" if hi is not None else f"{name} >= {lo}"
-        raise ValueError(f"{name}: expected {span}, got {value}")
-    return int(value)
-
-
-def _check_eps(name: str, value: Any) -> float:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name}: expected a Python float (a static epsilon), got {type(value).__name__}")
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name}: expected a finite epsilon >= 0, got {value}")
-    return float(value)
-
-
 def check_arguments(
     mailbox, prefix, blocks, norm, query, out_norm, *, eps, out_eps, has_delta, groups, xmoe_replicas
 ) -> Dims:
     """Checks dtypes, ranks, shapes and options; returns the dimensions. Raises TypeError/ValueError."""
     R, T, H = check_array("mailbox", mailbox, 3, "[R, T, H]")
-    if R < 1 or T < 1 or H < 1:
-        raise ValueError(f"mailbox: expected R, T, H >= 1, got shape {(R, T, H)}")
+    if T < 1:  # rejected, not an empty result: every kernel's grid is T; skip the call for an empty batch
+        raise ValueError(
+            f"mailbox: expected T >= 1 tokens (shape [R, T, H]), got T = 0 in shape {(R, T, H)}; "
+            f"there is nothing to consume: skip the call for an empty batch"
+        )
+    if R < 1 or H < 1:
+        raise ValueError(f"mailbox: expected R >= 1 and H >= 1 (shape [R, T, H]), got shape {(R, T, H)}")
     prefix_shape = check_array("prefix", prefix, 2, "[T, H]")
     if prefix_shape != (T, H):
         raise ValueError(f"prefix: expected shape [T, H] = {(T, H)} (from mailbox), got {prefix_shape}")
@@ -101,12 +91,7 @@ def check_arguments(
         (wH,) = check_array(name, w, 1, "[H]")
         if wH != H:
             raise ValueError(f"{name}: expected shape [H] = ({H},) (from mailbox), got ({wH},)")
-    _check_eps("eps", eps)
-    _check_eps("out_eps", out_eps)
-    if not isinstance(has_delta, (bool, np.bool_)):
-        raise TypeError(f"has_delta: expected a bool, got {type(has_delta).__name__}")
-    _check_int("groups", groups, 1, MAX_GROUPS)
-    _check_int("xmoe_replicas", xmoe_replicas, 0)
+    Options(eps=eps, out_eps=out_eps, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas)
     return Dims(R, T, NB, H)
 
 
@@ -116,21 +101,63 @@ def _module(name: str):
     return importlib.import_module(_BACKENDS[name])
 
 
-def _unavailable(name: str, platform: str) -> str | None:
-    """None if backend `name` runs on `platform`, else why not (a failed import included)."""
+# The kernels are Hopper code (sm_90a cubins; Mosaic GPU TMA, wgmma and clusters): on a GPU they
+# run only on devices of this CUDA compute capability ("auto" picks them nowhere else).
+KERNEL_CAPABILITY = "9.0"
+
+
+def _is_gpu(platform: str) -> bool:
+    return platform in ("gpu", "cuda", "rocm")
+
+
+def _platform_devices(platform: str) -> list:
+    try:
+        return list(jax.devices(platform))
+    except RuntimeError:
+        return []
+
+
+def capability_reason(devices) -> str | None:
+    """None if every device is a CUDA GPU of compute capability KERNEL_CAPABILITY, else why not."""
+    if not devices:
+        return "no device to run on"
+    for device in devices:
+        capability = getattr(device, "compute_capability", None)
+        if device.platform not in ("gpu", "cuda") or capability is None:
+            return f"device {device} ({device.platform}) is not a CUDA GPU with a compute capability"
+        if str(capability) != KERNEL_CAPABILITY:
+            return (
+                f"the GPU kernels are Hopper code (sm_90a, compute capability {KERNEL_CAPABILITY}); device {device} "
+                f"has compute capability {capability}"
+            )
+    return None
+
+
+def _unavailable(name: str, platform: str, devices=None) -> str | None:
+    """None if backend `name` runs on `platform` (on a GPU: on `devices`, default every device of
+    the platform), else why not (a failed import included)."""
     try:
         module = _module(name)
     except ImportError as err:
         return f"cannot import {_BACKENDS[name]}: {err}"
-    return module.unavailable_reason(platform)
+    reason = module.unavailable_reason(platform)
+    if reason is None and name in _KERNELS and _is_gpu(platform):
+        reason = capability_reason(_platform_devices(platform) if devices is None else list(devices))
+    return reason
+
+
+def _placement(*arrays) -> tuple[str, list | None]:
+    """(platform, devices) the arrays live on; under tracing, the default backend's (devices None)."""
+    for x in arrays:
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+            devices = list(x.devices())
+            return devices[0].platform, devices
+    return jax.default_backend(), None
 
 
 def _platform(*arrays) -> str:
     """The platform the arrays live on; under tracing, the default backend's."""
-    for x in arrays:
-        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-            return next(iter(x.devices())).platform
-    return jax.default_backend()
+    return _placement(*arrays)[0]
 
 
 def backend_names() -> list[str]:
@@ -149,21 +176,94 @@ def available_backends(platform: str | None = None) -> dict[str, str | None]:
     return {name: _unavailable(name, platform) for name in _BACKENDS}
 
 
-def resolve_backend(backend: str, platform: str, dims: Dims, **options) -> str:
-    """The backend that will run: `backend` itself if it can, else a ValueError saying why."""
-    if backend == "auto":
-        if platform in ("gpu", "cuda"):
-            for name in _KERNELS:
-                if _unavailable(name, platform) is None and _module(name).unsupported_reason(dims, **options) is None:
-                    return name
-        return "reference"  # CPU, or no kernel handles this shape
-    _module(backend)  # an unknown name raises here
-    reason = _unavailable(backend, platform)
-    if reason is None:
-        reason = _module(backend).unsupported_reason(dims, **options)
-    if reason is not None:
-        raise ValueError(f"backend={backend!r} cannot run here: {reason}")
-    return backend
+def choose_backend(backend: str, platform: str, dims: Dims, *, devices=None, **options) -> tuple[str | None, dict]:
+    """(the backend that runs the call, or None if the named `backend` cannot; name -> why it does
+    not run this call, None for the one that does). The rule of "auto": on CUDA GPUs of compute
+    capability 9.0 (every one of `devices`; default every device of `platform`) the first of
+    "cute", "pallas" that can run there and handles the shape; else the reference. Off the GPU
+    "auto" never takes a kernel (Pallas would run in interpret mode: named only)."""
+    if backend != "auto":
+        module = _module(backend)  # an unknown name raises here
+        reason = _unavailable(backend, platform, devices) or module.unsupported_reason(dims, **options)
+        return (None if reason else backend), {backend: reason}
+    chosen, reasons = None, {}
+    for name in _BACKENDS:
+        if chosen is not None:
+            reasons[name] = f"{chosen!r} comes first in auto's order ({', '.join(_BACKENDS)}) and runs this call"
+            continue
+        reason = _unavailable(name, platform, devices)
+        if reason is None and name in _KERNELS and not _is_gpu(platform):
+            reason = f"auto runs the kernels on CUDA GPUs only, the platform is {platform!r}" + (
+                "; name backend='pallas' for its interpret mode (slow; for tests)" if platform == "cpu" else ""
+            )
+        reason = reason or _module(name).unsupported_reason(dims, **options)
+        reasons[name] = reason
+        if reason is None:
+            chosen = name
+    return chosen, reasons
+
+
+_warned: set = set()
+
+
+def resolve_backend(backend: str, platform: str, dims: Dims, *, devices=None, **options) -> str:
+    """The backend that will run: `backend` itself if it can, else a ValueError saying why.
+    "auto" on a GPU that runs the reference warns (once per reason) with the kernels' reasons."""
+    name, reasons = choose_backend(backend, platform, dims, devices=devices, **options)
+    if name is None:
+        raise ValueError(f"backend={backend!r} cannot run here: {reasons[backend]}")
+    if backend == "auto" and name == "reference" and _is_gpu(platform):
+        why = "; ".join(f"{k}: {reasons[k]}" for k in _KERNELS)
+        if why not in _warned:
+            _warned.add(why)
+            warnings.warn(
+                f"oproj_jax: backend='auto' runs the jnp reference on this GPU, not a kernel ({why}); "
+                f"oproj_jax.explain(...) shows the choice for given arrays",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    return name
+
+
+def explain(
+    mailbox,
+    prefix,
+    blocks,
+    norm,
+    query,
+    out_norm,
+    *,
+    eps: float = DEFAULTS.eps,
+    out_eps: float = DEFAULTS.out_eps,
+    has_delta: bool = DEFAULTS.has_delta,
+    groups: int = DEFAULTS.groups,
+    xmoe_replicas: int = DEFAULTS.xmoe_replicas,
+    backend: str = "auto",
+) -> str:
+    """Which backend `consumer(...)` with these arguments runs, and why each other one does not:
+    a few lines of text, nothing traced or run. Takes what consumer takes (arrays, or
+    jax.ShapeDtypeStruct for the default device); raises what consumer raises for bad arguments,
+    but reports (does not raise) a named backend that cannot run."""
+    options = dict(eps=eps, out_eps=out_eps, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas)
+    dims = check_arguments(mailbox, prefix, blocks, norm, query, out_norm, **options)
+    if not isinstance(backend, str):
+        raise TypeError(f"backend: expected a str, got {type(backend).__name__}")
+    platform, devices = _placement(mailbox, prefix, blocks)
+    shown = devices if devices is not None else _platform_devices(platform)
+    name, reasons = choose_backend(backend, platform, dims, devices=devices, **options)
+    capabilities = sorted({str(getattr(d, "compute_capability", "-")) for d in shown})
+    where = f"platform {platform!r}, {len(shown)} device(s)" + (
+        f", compute capability {', '.join(capabilities)}" if _is_gpu(platform) else ""
+    )
+    shape = f"R={dims.R} T={dims.T} NB={dims.NB} H={dims.H}"
+    if name is None:
+        lines = [f"backend={backend!r} cannot run this call ({shape}; {where}): {reasons[backend]}"]
+    else:
+        lines = [f"backend={backend!r} runs {name!r} for this call ({shape}; {where})"]
+        if name == "pallas" and platform == "cpu":
+            lines.append("  pallas runs in Mosaic GPU interpret mode here (slow; for tests)")
+        lines += [f"  {other}: not picked: {why}" for other, why in reasons.items() if other != name]
+    return "\n".join(lines)
 
 
 def consumer(
@@ -174,11 +274,11 @@ def consumer(
     query,  # [H] bf16: AttnRes pseudo-query
     out_norm,  # [H] bf16: RMSNorm weight of the next sub-layer's input
     *,
-    eps: float = 1e-6,
-    out_eps: float = 1e-6,
-    has_delta: bool = True,
-    groups: int = 4,
-    xmoe_replicas: int = 0,
+    eps: float = DEFAULTS.eps,
+    out_eps: float = DEFAULTS.out_eps,
+    has_delta: bool = DEFAULTS.has_delta,
+    groups: int = DEFAULTS.groups,
+    xmoe_replicas: int = DEFAULTS.xmoe_replicas,
     backend: str = "auto",
 ) -> ConsumerResult:
     """The O-projection all-reduce consumer: rank sum, prefix update, AttnRes, RMSNorm.
@@ -190,7 +290,7 @@ def consumer(
     the numerics every backend meets are defined in docs/spec.md.
 
     Arrays (all bfloat16; T tokens, H hidden, R ranks, NB completed blocks):
-      mailbox   [R, T, H]   slot r holds rank r's partial o-projection (R >= 1).
+      mailbox   [R, T, H]   slot r holds rank r's partial o-projection (R >= 1, T >= 1).
       prefix    [T, H]      the running residual of the current block (read only if has_delta).
       blocks    [T, NB, H]  the completed block representations, 0 <= NB <= 8 (NB = 0: none).
       norm      [H]         AttnRes key RMSNorm weight.
@@ -214,11 +314,15 @@ def consumer(
                        "cute"       the CuTe kernel through XLA FFI on an sm_90a GPU, with the
                                     built FFI library and cubins (python -m oproj_jax.build);
                                     H = 7168 only, and only the built variants.
-                       "auto"       on a GPU the first of "cute", "pallas" that can run and
-                                    handles the shape; on a CPU (or when no kernel can) the
-                                    reference. It never picks interpret mode.
+                       "auto"       on CUDA GPUs of compute capability 9.0 (H100, H200) the
+                                    first of "cute", "pallas" that can run and handles the
+                                    shape; everywhere else (a CPU, another GPU, a shape no
+                                    kernel handles) the reference, with a RuntimeWarning (once
+                                    per reason) when that happens on a GPU. It never picks
+                                    interpret mode. explain(...) says what it picks and why.
                      Naming a backend that cannot run raises ValueError with the reason
-                     (nothing falls back silently); see available_backends().
+                     (nothing falls back silently); see available_backends(). The kernels
+                     also refuse GPUs other than compute capability 9.0.
 
     Returns a ConsumerResult (a NamedTuple):
       prefix  [T, H] bf16: the updated residual. GPU kernels alias it to the `prefix` argument:
@@ -227,13 +331,45 @@ def consumer(
       xmoe    [xmoe_replicas, T, H] bf16, or None when xmoe_replicas == 0.
 
     Raises TypeError (wrong dtype or type) or ValueError (shape, range, backend) naming the
-    argument, before anything is traced or launched. Works eagerly and under jax.jit.
+    argument, before anything is traced or launched. Works eagerly and under jax.jit. T = 0
+    (no tokens) is rejected with a ValueError naming T: skip the call for an empty batch.
+
+    Autodiff: jax.grad / jax.vjp work on every backend and give the same gradients: the chosen
+    backend computes the forward, the backward is always the reference's VJP (a custom_vjp;
+    the op is smooth jnp math). Forward-mode (jax.jvp, jacfwd) works on the reference only.
     """
     options = dict(eps=eps, out_eps=out_eps, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas)
     dims = check_arguments(mailbox, prefix, blocks, norm, query, out_norm, **options)
-    options = dict(eps=float(eps), out_eps=float(out_eps), has_delta=bool(has_delta), groups=int(groups),
-                   xmoe_replicas=int(xmoe_replicas))  # plain Python scalars: static for every backend
+    options = Options(**options).asdict()  # plain Python scalars: static for every backend
     if not isinstance(backend, str):
         raise TypeError(f"backend: expected a str, got {type(backend).__name__}")
-    name = resolve_backend(backend, _platform(mailbox, prefix, blocks), dims, **options)
-    return _module(name).consumer(mailbox, prefix, blocks, norm, query, out_norm, **options)
+    platform, devices = _placement(mailbox, prefix, blocks)
+    name = resolve_backend(backend, platform, dims, devices=devices, **options)
+    return _differentiable(name, tuple(options.items()))(mailbox, prefix, blocks, norm, query, out_norm)
+
+
+@functools.lru_cache(maxsize=None)
+def _differentiable(name: str, options: tuple):
+    """Backend `name`'s consumer with these (static) options, differentiable: a jax.custom_vjp
+    whose forward is the backend's kernel and whose backward is the VJP of the reference (the
+    op is smooth jnp math; the kernels compute the same function, so jax.grad gives the same
+    gradients on every backend). The reference itself is returned as is (plain jnp: every
+    transformation works on it, forward-mode jvp included; the kernels' wrapper has no jvp)."""
+    options = dict(options)
+    forward = functools.partial(_module(name).consumer, **options)
+    if name == "reference":
+        return forward
+    reference = functools.partial(_module("reference").consumer, **options)
+
+    @jax.custom_vjp
+    def consume(mailbox, prefix, blocks, norm, query, out_norm):
+        return forward(mailbox, prefix, blocks, norm, query, out_norm)
+
+    def consume_fwd(*arrays):
+        return forward(*arrays), arrays  # residuals: the inputs (the backward re-runs the reference)
+
+    def consume_bwd(arrays, cotangents):
+        return jax.vjp(reference, *arrays)[1](cotangents)
+
+    consume.defvjp(consume_fwd, consume_bwd)
+    return consume

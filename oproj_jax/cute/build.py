@@ -22,7 +22,10 @@ R stays static: the polling loop is unrolled over the slots a group owns, and a 
 would cost registers and a dynamic loop on the critical path for no gain at the few R used.
 
 Existing entries of a manifest in the output directory are kept unless rebuilt, so `--key`
-adds one variant to a built set.
+adds one variant to a built set, as long as that manifest was built from the same kernel
+sources (its fingerprint): otherwise they are dropped. The manifest records the source
+fingerprint and each cubin's sha256; the backend refuses cubins that no longer match
+(manifest.py, "Integrity").
 """
 
 from __future__ import annotations
@@ -85,7 +88,7 @@ def cubin_name(key: dict, build: M.Build = M.GROUPED) -> str:
 def ptx_params(ptx: str) -> list[str]:
     """The .param types of the (single) .entry in `ptx`, in order (e.g. ".u64")."""
     start = ptx.index(".entry")
-    signature = ptx[start: ptx.index(")", start)]
+    signature = ptx[start : ptx.index(")", start)]
     return re.findall(r"\.param\s+(\.\w+)", signature)
 
 
@@ -99,9 +102,17 @@ def compile_variant(key: dict, build: M.Build = M.GROUPED, trace: bool = False) 
     from oproj_jax.cute.kernel import OprojConsumer
 
     k = M.normalize_key(key)
-    kernel = OprojConsumer(k["R"], k["NB"], has_delta=k["has_delta"], groups=k["groups"],
-                           xmoe_replicas=k["xmoe_replicas"], twoshot=k["twoshot"], min_ctas=build.min_ctas,
-                           fold=build.fold, trace=trace)
+    kernel = OprojConsumer(
+        k["R"],
+        k["NB"],
+        has_delta=k["has_delta"],
+        groups=k["groups"],
+        xmoe_replicas=k["xmoe_replicas"],
+        twoshot=k["twoshot"],
+        min_ctas=build.min_ctas,
+        fold=build.fold,
+        trace=trace,
+    )
 
     def ptr(dtype, align):  # a fake device address: only the type reaches the kernel
         return make_ptr(dtype, 16, cute.AddressSpace.gmem, assumed_align=align)
@@ -114,8 +125,8 @@ def compile_variant(key: dict, build: M.Build = M.GROUPED, trace: bool = False) 
         launch = kernel.launch_twoshot
     with tempfile.TemporaryDirectory() as dump:
         compiled = cute.compile(
-            launch, *args, make_fake_stream(),
-            options=f"--gpu-arch {ARCH} --keep-cubin --keep-ptx --dump-dir {dump}")
+            launch, *args, make_fake_stream(), options=f"--gpu-arch {ARCH} --keep-cubin --keep-ptx --dump-dir {dump}"
+        )
         cubin, ptx = compiled.artifacts.CUBIN, compiled.artifacts.PTX
     (entry,) = compiled.kernel_info.keys()
     if cubin[:4] != b"\x7fELF" or entry.encode() not in cubin:
@@ -124,24 +135,35 @@ def compile_variant(key: dict, build: M.Build = M.GROUPED, trace: bool = False) 
     expected = ABI_TWOSHOT if k["twoshot"] else ABI_ONESHOT
     if params != expected:
         raise RuntimeError(f"{M.describe(k)}: PTX params {params} differ from the ABI {expected}")
-    return dict(key=k, min_ctas=build.min_ctas, fold=build.fold, entry=entry, dynamic_smem_bytes=kernel.smem_bytes,
-                block=[kernel.threads, 1, 1], cluster=[7, 1, 1], params=params,
-                cubin_bytes=cubin)
+    return dict(
+        key=k,
+        min_ctas=build.min_ctas,
+        fold=build.fold,
+        entry=entry,
+        dynamic_smem_bytes=kernel.smem_bytes,
+        block=[kernel.threads, 1, 1],
+        cluster=[7, 1, 1],
+        params=params,
+        cubin_bytes=cubin,
+    )
 
 
 def compile_publish() -> dict:
     """The publish kernel of mode="peer" (cute/publish.py): one cubin for every R and T; returns
     the manifest's "publish" entry plus "cubin_bytes"."""
     import cutlass.cute as cute
-    from cutlass import Int32, Int64
     from cutlass.cute.runtime import make_fake_stream
 
     from oproj_jax.cute import publish
 
     args = publish.compile_args()
     with tempfile.TemporaryDirectory() as dump:
-        compiled = cute.compile(publish.Publish().launch, *args, make_fake_stream(),
-                                options=f"--gpu-arch {ARCH} --keep-cubin --keep-ptx --dump-dir {dump}")
+        compiled = cute.compile(
+            publish.Publish().launch,
+            *args,
+            make_fake_stream(),
+            options=f"--gpu-arch {ARCH} --keep-cubin --keep-ptx --dump-dir {dump}",
+        )
         cubin, ptx = compiled.artifacts.CUBIN, compiled.artifacts.PTX
     (entry,) = compiled.kernel_info.keys()
     if cubin[:4] != b"\x7fELF" or entry.encode() not in cubin or publish.ENTRY_HINT not in entry.lower():
@@ -149,8 +171,7 @@ def compile_publish() -> dict:
     params = ptx_params(ptx)
     if params != publish.PUBLISH_PARAMS:
         raise RuntimeError(f"publish kernel: PTX params {params} differ from the ABI {publish.PUBLISH_PARAMS}")
-    return dict(cubin=M.PUBLISH_CUBIN, entry=entry, block=[publish.THREADS, 1, 1], params=params,
-                cubin_bytes=cubin)
+    return dict(cubin=M.PUBLISH_CUBIN, entry=entry, block=[publish.THREADS, 1, 1], params=params, cubin_bytes=cubin)
 
 
 def _compile_to(args) -> dict:
@@ -173,8 +194,7 @@ def _dsl_version() -> str:
         return "unknown"
 
 
-def build_cubins(out_dir=None, keys=None, jobs: int | None = None, log=None,
-                 builds=M.BUILDS) -> dict:
+def build_cubins(out_dir=None, keys=None, jobs: int | None = None, log=None, builds=M.BUILDS) -> dict:
     """Build `keys` (default: default_keys()), each compiled as every one of `builds`, into
     `out_dir` (default: manifest.default_dir()); writes the cubins and manifest.json; returns
     the manifest."""
@@ -198,18 +218,28 @@ def build_cubins(out_dir=None, keys=None, jobs: int | None = None, log=None,
     old_path = out / M.MANIFEST
     if old_path.is_file():
         old = json.loads(old_path.read_text())
-        if old.get("arch") == ARCH and old.get("H") == HIDDEN:
+        # entries of another build of the kernel sources are dropped: one fingerprint per manifest
+        if (
+            old.get("arch") == ARCH
+            and old.get("H") == HIDDEN
+            and old.get("fingerprint") == M.source_fingerprint(_dsl_version())
+        ):
             rebuilt = [(w[0], w[1]) for w in work]
-            kept = [e for e in old.get("kernels", [])
-                    if (e["key"], M.entry_build(e)) not in rebuilt and (out / e["cubin"]).is_file()]
+            kept = [
+                e
+                for e in old.get("kernels", [])
+                if (e["key"], M.entry_build(e)) not in rebuilt and (out / e["cubin"]).is_file()
+            ]
     publish = compile_publish()  # ~2 s: always rebuilt, so it follows publish.py
     (out / publish["cubin"]).write_bytes(publish.pop("cubin_bytes"))
-    manifest = {"arch": ARCH, "cutlass_dsl": _dsl_version(), "H": HIDDEN,
-                "kernels": kept + built, "publish": publish}
+    manifest = {"arch": ARCH, "cutlass_dsl": _dsl_version(), "H": HIDDEN, "kernels": kept + built, "publish": publish}
+    M.seal(manifest, out)  # the source fingerprint and every cubin's sha256 (manifest.py, "Integrity")
     (out / M.MANIFEST).write_text(json.dumps(manifest, indent=1))
     if log:
-        log(f"built {len(built)} variants into {out} in {time.time() - t0:.1f} s "
-            f"({len(kept)} kept from the old manifest)")
+        log(
+            f"built {len(built)} variants into {out} in {time.time() - t0:.1f} s "
+            f"({len(kept)} kept from the old manifest)"
+        )
     return manifest
 
 
@@ -224,7 +254,8 @@ def _parse_key(text: str) -> dict:
     parts = text.split(",")
     if len(parts) != 6:
         raise argparse.ArgumentTypeError(
-            f"--key: expected R,NB,has_delta,groups,reps,twoshot (6 integers), got {text!r}")
+            f"--key: expected R,NB,has_delta,groups,reps,twoshot (6 integers), got {text!r}"
+        )
     try:
         R, NB, delta, groups, reps, twoshot = (int(p) for p in parts)
     except ValueError:
@@ -235,22 +266,26 @@ def _parse_key(text: str) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m oproj_jax.cute.build", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m oproj_jax.cute.build", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", help=f"output directory (default: ${M.ENV_DIR} or the package's cubins/)")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--all", action="store_true", help="the default set (default)")
-    group.add_argument("--key", type=_parse_key, action="append",
-                       help="R,NB,has_delta,groups,reps,twoshot (repeatable)")
+    group.add_argument(
+        "--key", type=_parse_key, action="append", help="R,NB,has_delta,groups,reps,twoshot (repeatable)"
+    )
     parser.add_argument("--jobs", type=int, default=None, help="parallel compile processes")
-    parser.add_argument("--builds", type=_parse_builds, default=M.BUILDS,
-                        help="how to compile each key, comma-separated: m<N> the grouped layout "
-                             "(128 * groups threads), f<N> the folded one (128 threads), N the "
-                             "launch bound in CTAs per SM, 0 = none (default: "
-                             + ",".join(b.tag for b in M.BUILDS) + ", manifest.BUILDS)")
+    parser.add_argument(
+        "--builds",
+        type=_parse_builds,
+        default=M.BUILDS,
+        help="how to compile each key, comma-separated: m<N> the grouped layout "
+        "(128 * groups threads), f<N> the folded one (128 threads), N the "
+        "launch bound in CTAs per SM, 0 = none (default: " + ",".join(b.tag for b in M.BUILDS) + ", manifest.BUILDS)",
+    )
     args = parser.parse_args(argv)
-    build_cubins(args.out, args.key, jobs=args.jobs, log=lambda s: print(s, file=sys.stderr),
-                 builds=args.builds)
+    build_cubins(args.out, args.key, jobs=args.jobs, log=lambda s: print(s, file=sys.stderr), builds=args.builds)
     return 0
 
 

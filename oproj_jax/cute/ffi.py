@@ -7,8 +7,10 @@ Build it with
 
     python -m oproj_jax.build --ffi-only     (or: python -m oproj_jax.cute.ffi [--out DIR])
 
-(default oproj_jax/_lib/liboproj_ffi.so, git-ignored). The targets are registered lazily, the
-first time a cute call is traced (`register_targets()`).
+(default oproj_jax/_lib/liboproj_ffi.so, git-ignored). `pip install .` builds it too (setup.py,
+against the build environment's pinned jaxlib), when g++ and cuda.h are found; the compile step
+itself is cute/ffi_build.py. The targets are registered lazily, the first time a cute call is
+traced (`register_targets()`).
 
 Registration. Each target has an execute stage (a launch on XLA's stream) and a record stage:
 inside an XLA command buffer (a CUDA graph) the record stage adds the kernel as a graph node and
@@ -26,14 +28,14 @@ import argparse
 import ctypes
 import os
 import pathlib
-import shutil
-import subprocess
 import sys
 import threading
 from typing import NamedTuple
 
 import jax
 import numpy as np
+
+from oproj_jax.cute import ffi_build
 
 ONESHOT_TARGET = "oproj_cute_consumer"
 TWOSHOT_TARGET = "oproj_cute_consumer_twoshot"
@@ -79,7 +81,7 @@ REGISTRATION = "record"
 
 _HERE = pathlib.Path(__file__).resolve().parent
 SOURCE_DIR = _HERE / "csrc"
-DEFAULT_LIBRARY = _HERE.parent / "_lib" / "liboproj_ffi.so"
+DEFAULT_LIBRARY = _HERE.parent / "_lib" / ffi_build.LIBRARY_NAME
 BUILD_COMMAND = "python -m oproj_jax.build --ffi-only"
 
 _lock = threading.Lock()
@@ -87,51 +89,19 @@ _library: ctypes.CDLL | None = None
 _registered = False
 
 
-def cuda_include_dir() -> pathlib.Path | None:
-    """A directory holding cuda.h: $CUDA_HOME, /usr/local/cuda, or the nvidia-cuda-runtime wheel."""
-    candidates = [pathlib.Path(os.environ[v]) / "include" for v in ("CUDA_HOME", "CUDA_PATH") if v in os.environ]
-    candidates.append(pathlib.Path("/usr/local/cuda/include"))
-    try:
-        import nvidia  # namespace package of the CUDA wheels
-
-        for root in nvidia.__path__:
-            candidates += [pathlib.Path(root) / sub / "include" for sub in ("cu13", "cuda_runtime")]
-    except ImportError:
-        pass
-    return next((d for d in candidates if (d / "cuda.h").is_file()), None)
+cuda_include_dir = ffi_build.cuda_include_dir  # kept here for callers of the old name
 
 
 def build_library(out_dir: str | os.PathLike | None = None) -> pathlib.Path:
-    """Compiles csrc/*.cc into `out_dir`/liboproj_ffi.so (default oproj_jax/_lib/); returns its path."""
+    """Compiles csrc/*.cc into `out_dir`/liboproj_ffi.so (default oproj_jax/_lib/) against the
+    jaxlib in use (`jax.ffi.include_dir()`); returns its path. RuntimeError naming what is missing."""
     target = DEFAULT_LIBRARY if out_dir is None else pathlib.Path(out_dir) / DEFAULT_LIBRARY.name
-    compiler = shutil.which(os.environ.get("CXX", "g++"))
-    if compiler is None:
-        raise RuntimeError("building the FFI library needs g++ (or $CXX) on PATH; none was found")
-    sources = sources_list()
-    if not sources:
-        raise RuntimeError(f"no FFI sources (*.cc) in {SOURCE_DIR}: the package installation is incomplete")
-    cuda_include = cuda_include_dir()
-    if cuda_include is None:
-        raise RuntimeError(
-            "cuda.h not found (tried $CUDA_HOME/include, /usr/local/cuda/include and the nvidia-cuda-runtime "
-            "wheel): install the CUDA toolkit headers or `pip install nvidia-cuda-runtime`"
-        )
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_suffix(f".{os.getpid()}.tmp")
-    # No -fvisibility=hidden: the handler symbols must stay exported.
-    command = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", "-Wall",
-               f"-I{jax.ffi.include_dir()}", f"-I{cuda_include}", *map(str, sources), "-o", str(partial), "-ldl"]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        partial.unlink(missing_ok=True)
-        raise RuntimeError(f"building {target.name} failed ({' '.join(command)}):\n{done.stderr}")
-    os.replace(partial, target)  # atomic: a concurrent loader never sees half a file
-    return target
+    return ffi_build.compile_library(target, jaxlib_include=jax.ffi.include_dir())
 
 
 def sources_list() -> list[pathlib.Path]:
     """The C++ translation units of the library, in a fixed order."""
-    return sorted(SOURCE_DIR.glob("*.cc"))
+    return ffi_build.sources()
 
 
 def library_path() -> pathlib.Path:
@@ -143,7 +113,12 @@ def unavailable_reason() -> str | None:
     """None if the library is built, else what to run."""
     path = library_path()
     if not path.is_file():
-        return f"the FFI library is not built ({path} missing): run `{BUILD_COMMAND}`"
+        needs = ffi_build.missing(jaxlib=False)
+        needs = f"; this machine cannot build it yet: {needs}" if needs else ""
+        return (
+            f"the FFI library is not built ({path} missing): run `{BUILD_COMMAND}` (g++ and cuda.h, no GPU "
+            f"needed; `pip install .` builds it when both are found){needs}"
+        )
     return None
 
 
@@ -194,8 +169,11 @@ def _bootstrap(library: ctypes.CDLL, device, registration: str) -> None:
     capsule = jax.ffi.pycapsule(getattr(library, BOOTSTRAP_SYMBOL))
     jax.ffi.register_ffi_target(BOOTSTRAP_TARGET, capsule, platform="CUDA")
     symbols, traits = _stage_table(registration)
-    attributes = dict(names=",".join(SYMBOLS), handlers=np.array([_address(library, s) for s in symbols], np.int64),
-                      traits=np.array(traits, np.int64))
+    attributes = dict(
+        names=",".join(SYMBOLS),
+        handlers=np.array([_address(library, s) for s in symbols], np.int64),
+        traits=np.array(traits, np.int64),
+    )
     call = jax.ffi.ffi_call(BOOTSTRAP_TARGET, jax.ShapeDtypeStruct((1,), np.uint32))
     # Executed now, also when the first cute call is being traced inside a user's jit (a nested
     # jit would be staged into that program instead of run): the targets must exist before XLA

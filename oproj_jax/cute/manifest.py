@@ -9,13 +9,27 @@ Directory: $OPROJ_JAX_CUBIN_DIR if set, else the package's `oproj_jax/cute/cubin
                 "dynamic_smem_bytes": N, "block": [128*groups or 128, 1, 1], "cluster": [7, 1, 1],
                 "params": [".u64", ...]}],
    "publish": {"cubin": "oproj_publish.cubin", "entry": "...", "block": [128, 1, 1],
-               "params": [...]}}   (mode="peer"'s publish kernel, cute/publish.py)
+               "params": [...]},   (mode="peer"'s publish kernel, cute/publish.py)
+   "fingerprint": "<sha256 hex>"}    (source_fingerprint: the sources the cubins were built from)
+and every kernel entry (and "publish") carries "sha256", the hex digest of its cubin file.
+
+Integrity (seal() writes it, the checks below read it):
+* `stale_reason(manifest)`: the manifest's fingerprint must equal source_fingerprint() of the
+  installed kernel sources (FINGERPRINT_SOURCES) with the manifest's DSL version; otherwise the
+  cubins were built from other sources and the cute backend reports itself unavailable, naming
+  the rebuild command. A manifest without a fingerprint (built before fingerprints) is stale too.
+* `verified_cubin_path(manifest, entry)`: a cubin whose sha256 differs from its entry's (edited,
+  truncated, swapped) is refused with a ValueError naming the file and the rebuild command. Each
+  file is hashed once per process (again only if its size or mtime changes), when first used.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
+import threading
 from pathlib import Path
 from typing import NamedTuple
 
@@ -26,6 +40,10 @@ _BOOL_FIELDS = ("has_delta", "twoshot")
 
 
 PACKAGE_DIR = Path(__file__).resolve().parent / "cubins"  # resolved once: asked for on every call
+SOURCE_DIR = Path(__file__).resolve().parent
+# The files whose bytes decide what the cubins contain (the kernel, its PTX helpers, the build).
+FINGERPRINT_SOURCES = ("kernel.py", "primitives.py", "row_stats.py", "publish.py", "build.py")
+REBUILD_COMMAND = "python -m oproj_jax.build"  # cubins + manifest (and the FFI library)
 
 
 def default_dir() -> Path:
@@ -38,8 +56,9 @@ def default_dir() -> Path:
 
 def make_key(R, NB, has_delta, groups, xmoe_replicas, twoshot) -> dict:
     """A normalized variant key; TypeError/ValueError naming the field on bad input."""
-    return normalize_key(dict(R=R, NB=NB, has_delta=has_delta, groups=groups,
-                              xmoe_replicas=xmoe_replicas, twoshot=twoshot))
+    return normalize_key(
+        dict(R=R, NB=NB, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas, twoshot=twoshot)
+    )
 
 
 def normalize_key(key) -> dict:
@@ -48,20 +67,17 @@ def normalize_key(key) -> dict:
     missing = [f for f in KEY_FIELDS if f not in key]
     extra = [f for f in key if f not in KEY_FIELDS]
     if missing or extra:
-        raise ValueError(f"key: expected exactly the fields {KEY_FIELDS}, missing {missing}, "
-                         f"unexpected {extra}")
+        raise ValueError(f"key: expected exactly the fields {KEY_FIELDS}, missing {missing}, unexpected {extra}")
     out = {}
     for field in KEY_FIELDS:
         value = key[field]
         if field in _BOOL_FIELDS:
             if not isinstance(value, bool) and type(value).__name__ != "bool_":
-                raise TypeError(f"key[{field!r}]: expected a bool, got {type(value).__name__} "
-                                f"{value!r}")
+                raise TypeError(f"key[{field!r}]: expected a bool, got {type(value).__name__} {value!r}")
             out[field] = bool(value)
         else:
             if isinstance(value, bool) or not isinstance(value, int) and not hasattr(value, "__index__"):
-                raise TypeError(f"key[{field!r}]: expected an int, got {type(value).__name__} "
-                                f"{value!r}")
+                raise TypeError(f"key[{field!r}]: expected an int, got {type(value).__name__} {value!r}")
             out[field] = int(value)
     return out
 
@@ -75,7 +91,8 @@ def load_manifest(directory=None) -> dict:
             f"no CuTe cubin manifest at {path}: build the kernels with "
             f"`python -m oproj_jax.cute.build --out {directory}` on a machine with "
             f"nvidia-cutlass-dsl (pip install oproj-jax[cute]), or point ${ENV_DIR} at a "
-            f"directory that has them")
+            f"directory that has them"
+        )
     manifest = json.loads(path.read_text())
     for field in ("arch", "H", "kernels"):
         if field not in manifest:
@@ -117,7 +134,7 @@ def build_for(T: int, ready: bool) -> Build:
 
 
 def parse_build(text: str) -> Build:
-    """"m3" -> Build(3), "f0" -> Build(0, fold=True); ValueError naming the text otherwise."""
+    """ "m3" -> Build(3), "f0" -> Build(0, fold=True); ValueError naming the text otherwise."""
     if len(text) >= 2 and text[0] in "mf" and text[1:].isdigit():
         return Build(int(text[1:]), text[0] == "f")
     raise ValueError(f"build: expected m<min_ctas> or f<min_ctas> (e.g. m0, m3, f0), got {text!r}")
@@ -157,5 +174,103 @@ def cubin_path(manifest: dict, entry: dict) -> Path:
 
 def describe(key) -> str:
     k = normalize_key(key)
-    return (f"R={k['R']} NB={k['NB']} has_delta={k['has_delta']} groups={k['groups']} "
-            f"xmoe_replicas={k['xmoe_replicas']} twoshot={k['twoshot']}")
+    return (
+        f"R={k['R']} NB={k['NB']} has_delta={k['has_delta']} groups={k['groups']} "
+        f"xmoe_replicas={k['xmoe_replicas']} twoshot={k['twoshot']}"
+    )
+
+
+# ---- integrity ------------------------------------------------------------------------------
+
+
+def source_fingerprint(dsl_version: str, source_dir: str | os.PathLike | None = None) -> str:
+    """sha256 (hex) over FINGERPRINT_SOURCES (name and bytes, in that order) in `source_dir`
+    (default: this package's cute/, hashed once per process and version) and the CuTe DSL
+    version: what a manifest's cubins were built from."""
+    if source_dir is None:
+        return _installed_fingerprint(dsl_version)
+    return _fingerprint(dsl_version, Path(source_dir))
+
+
+@functools.lru_cache(maxsize=8)
+def _installed_fingerprint(dsl_version: str) -> str:
+    return _fingerprint(dsl_version, SOURCE_DIR)
+
+
+def _fingerprint(dsl_version: str, directory: Path) -> str:
+    digest = hashlib.sha256(f"cutlass_dsl={dsl_version}\0".encode())
+    for name in FINGERPRINT_SOURCES:
+        digest.update(f"{name}\0".encode())
+        digest.update((directory / name).read_bytes())
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def file_sha256(path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def seal(manifest: dict, directory) -> dict:
+    """Records the source fingerprint (with manifest["cutlass_dsl"]) and every cubin's sha256
+    (kernels and publish) in `manifest`, whose cubins are in `directory`; returns it."""
+    directory = Path(directory)
+    for entry in list(manifest.get("kernels", ())) + ([manifest["publish"]] if manifest.get("publish") else []):
+        entry["sha256"] = file_sha256(directory / entry["cubin"])
+    manifest["fingerprint"] = source_fingerprint(str(manifest.get("cutlass_dsl", "unknown")))
+    return manifest
+
+
+def stale_reason(manifest: dict) -> str | None:
+    """None if the manifest was built from the installed kernel sources, else why it is stale
+    and the command that rebuilds it."""
+    where = manifest.get("dir", "the cubin directory")
+    recorded = manifest.get("fingerprint")
+    if recorded is None:
+        return (
+            f"the cubin manifest in {where} records no source fingerprint (built by an older "
+            f"oproj_jax.cute.build), so its cubins cannot be matched to the installed kernel; "
+            f"rebuild them with `{REBUILD_COMMAND}`"
+        )
+    version = str(manifest.get("cutlass_dsl", "unknown"))
+    if recorded != source_fingerprint(version):
+        return (
+            f"the cubins in {where} are stale: their manifest's source fingerprint differs from the "
+            f"installed kernel sources (cute/{{{','.join(FINGERPRINT_SOURCES)}}} with CuTe DSL {version}); "
+            f"rebuild them with `{REBUILD_COMMAND}`"
+        )
+    return None
+
+
+_verified: set = set()  # (path, expected sha256, size, mtime_ns) of the cubins hashed and found intact
+_verified_lock = threading.Lock()
+
+
+def verified_cubin_path(manifest: dict, entry: dict, rebuild: str = REBUILD_COMMAND) -> Path:
+    """The path of `entry`'s cubin, once its bytes hash to the sha256 the manifest records; else a
+    ValueError naming the file and `rebuild` (the command that rebuilds it)."""
+    path = cubin_path(manifest, entry)
+    expected = entry.get("sha256")
+    if not isinstance(expected, str):
+        raise ValueError(
+            f"cubin {path}: the manifest records no sha256 for it (built by an older "
+            f"oproj_jax.cute.build); rebuild it with `{rebuild}`"
+        )
+    try:
+        stat = path.stat()
+    except OSError as err:
+        raise ValueError(
+            f"cubin {path}: listed in the manifest but not readable ({err}); rebuild it with `{rebuild}`"
+        ) from None
+    stamp = (str(path), expected, stat.st_size, stat.st_mtime_ns)
+    with _verified_lock:
+        if stamp in _verified:
+            return path
+    actual = file_sha256(path)
+    if actual != expected:
+        raise ValueError(
+            f"cubin {path}: its sha256 {actual} differs from the manifest's {expected} (the file "
+            f"changed after the build); refusing to launch it: rebuild it with `{rebuild}`"
+        )
+    with _verified_lock:
+        _verified.add(stamp)
+    return path

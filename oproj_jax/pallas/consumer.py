@@ -63,13 +63,45 @@ def unsupported_reason(dims: Dims, **options) -> str | None:
     return None
 
 
-def _interpret() -> bool:
-    return jax.default_backend() != "gpu"
+def _platform(*arrays) -> str:
+    """The platform the kernel runs on: the devices of the first concrete array; under tracing the
+    enclosing mesh's (shard_map, jax.sharding.use_mesh / use_abstract_mesh), else JAX's default backend."""
+    for x in arrays:
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+            return next(iter(x.devices())).platform
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if device is not None and getattr(device, "platform", None):
+        return device.platform
+    return jax.default_backend()
+
+
+def _interpret(*arrays) -> bool:
+    """Interpret mode (Mosaic GPU's CPU interpreter) unless the kernel runs on a GPU."""
+    return _platform(*arrays) not in ("gpu", "cuda")
+
+
+def _check_interpretable() -> None:
+    """Interpret mode inside a shard_map over several devices is refused: the interpreter keeps
+    one shared-memory model per process and checks after every kernel that no barrier of any
+    device is still allocated, so kernels interpreted on several devices at once fail at random
+    (hundreds of lines of "Barrier remains allocated"). One device, or the GPU, is fine."""
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = tuple(getattr(mesh, "manual_axes", ()) or ())
+    devices = math.prod(mesh.shape[a] for a in manual) if manual else 1
+    if devices > 1:
+        raise ValueError(
+            f"backend: 'pallas' would run in Mosaic GPU interpret mode inside a shard_map over {devices} devices "
+            f"(manual mesh axes {manual}), which the interpreter cannot do (one shared-memory model per process: "
+            f"kernels interpreted on several devices at once fail); on a CPU mesh use backend='reference' (or "
+            f"'auto'), or a mesh of one device"
+        )
 
 
 def _rows(R, NB, has_delta):
     """The rows one token streams, in consumption order: ("mailbox", r), ("prefix",), ("block", b)."""
-    return [("mailbox", r) for r in range(R)] + ([("prefix", 0)] if has_delta else []) + [("block", b) for b in range(NB)]
+    return (
+        [("mailbox", r) for r in range(R)] + ([("prefix", 0)] if has_delta else []) + [("block", b) for b in range(NB)]
+    )
 
 
 def _row_layout(C):
@@ -197,6 +229,7 @@ def _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, reps, ring, split, b
 
         if split == 1:  # online softmax over the sources as they stream past
             with jax.named_scope("online_softmax"):
+
                 def logit(s):
                     return jnp.sum(s * w) * lax.rsqrt(jnp.sum(s * s) / H + eps)
 
@@ -213,6 +246,7 @@ def _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, reps, ring, split, b
                 y = mix * (1.0 / den)
                 yy = jnp.sum(y * y)
         else:  # all sources resident: one cluster exchange for the logits, one for y.y
+
             def combine(pairs, round_):  # cluster-wide dots a.b: the same scalars on every CTA
                 base = sum(cluster_dots.WARPS * k for k in dots_per_round[:round_])
                 col = sum(dots_per_round[:round_])
@@ -253,8 +287,14 @@ def _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, reps, ring, split, b
 
     if split == 1:  # ring slots, norm/query/out_norm, prefix and output staging
         row = plgpu.SMEM((C, LANES), bf16)
-        scratch = [plgpu.SMEM((ring, C, LANES), bf16), plgpu.Barrier(num_barriers=ring),
-                   plgpu.SMEM((3, C, LANES), bf16), plgpu.Barrier(num_barriers=3), row, row]
+        scratch = [
+            plgpu.SMEM((ring, C, LANES), bf16),
+            plgpu.Barrier(num_barriers=ring),
+            plgpu.SMEM((3, C, LANES), bf16),
+            plgpu.Barrier(num_barriers=3),
+            row,
+            row,
+        ]
     else:
         scratch = _cluster_scratch(R, NB, has_delta, C, split)
     return body, scratch
@@ -266,8 +306,9 @@ def _cluster_scratch(R, NB, has_delta, C, split):
     memory. (A 2 KiB-row CTA of the 7-split then takes < 56 KiB: 4 fit an SM, T=64 in one wave.)"""
     row = plgpu.SMEM((C, LANES), bf16)
     return [
-        plgpu.RefUnion(plgpu.SMEM((R + has_delta, C, LANES), bf16),
-                       [row, row, row, plgpu.SMEM((cluster_dots.PART,), f32)]),
+        plgpu.RefUnion(
+            plgpu.SMEM((R + has_delta, C, LANES), bf16), [row, row, row, plgpu.SMEM((cluster_dots.PART,), f32)]
+        ),
         plgpu.SMEM((max(NB, 1), C, LANES), bf16),
         plgpu.Barrier(num_barriers=len(_rows(R, NB, has_delta))),
         plgpu.SMEM((2, C, LANES), bf16),  # norm, query
@@ -321,17 +362,42 @@ def consumer(
     groups: int,
     xmoe_replicas: int,
 ) -> ConsumerResult:
-    """The backend entry (api.consumer has checked the arguments): the kernel, tuned per shape."""
+    """The backend entry (api.consumer has checked the arguments): the kernel, tuned per shape;
+    interpreted unless the arrays (or, traced, the enclosing mesh) are on a GPU."""
     R, NB = mailbox.shape[0], blocks.shape[1]
+    interpret = _interpret(mailbox, prefix, blocks)
     return consumer_with(
-        mailbox, prefix, blocks, norm, query, out_norm, eps=eps, out_eps=out_eps, has_delta=has_delta,
-        groups=groups, xmoe_replicas=xmoe_replicas,
-        **choose_split(mailbox.shape[1], mailbox.shape[2], _interpret(), R=R, NB=NB, has_delta=has_delta),
+        mailbox,
+        prefix,
+        blocks,
+        norm,
+        query,
+        out_norm,
+        eps=eps,
+        out_eps=out_eps,
+        has_delta=has_delta,
+        groups=groups,
+        xmoe_replicas=xmoe_replicas,
+        interpret=interpret,
+        **choose_split(mailbox.shape[1], mailbox.shape[2], interpret, R=R, NB=NB, has_delta=has_delta),
     )
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "out_eps", "has_delta", "groups", "xmoe_replicas", "ring", "split",
-                                             "batch", "profile_dir"))
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "eps",
+        "out_eps",
+        "has_delta",
+        "groups",
+        "xmoe_replicas",
+        "ring",
+        "split",
+        "batch",
+        "profile_dir",
+        "interpret",
+    ),
+)
 def consumer_with(
     mailbox,  # [R, T, H] bf16
     prefix,  # [T, H] bf16
@@ -349,27 +415,36 @@ def consumer_with(
     split: int,
     batch: int = 1,
     profile_dir: str | None = None,
+    interpret: bool | None = None,
 ) -> ConsumerResult:
     """The kernel with explicit tuning knobs: `split` CTAs per token (a cluster sharing the
     row), `ring` shared-memory row slots per CTA (split == 1; with split > 1 rows are resident),
     `batch` mailbox rows per TMA copy (split > 1; blocks then come in one copy too).
     `profile_dir`: Mosaic GPU's in-kernel profiler writes a trace of the kernel's named phases
-    there (GPU only; benchmarks/pallas_phases.py reads it)."""
+    there (GPU only; benchmarks/pallas_phases.py reads it). `interpret`: Mosaic GPU interpret
+    mode; None: unless the enclosing mesh (or JAX's default backend) is a GPU (consumer() decides
+    from its arrays' devices). Interpret mode inside a shard_map over several devices raises."""
     R, T, H = mailbox.shape
     NB = blocks.shape[1]
     if (split != 1 and split not in CLUSTER_SPLITS) or (H // LANES) % split:
-        raise ValueError(f"split: expected 1 or a cluster of {CLUSTER_SPLITS} CTAs dividing H/{LANES} = {H // LANES}, "
-                         f"got {split}")
+        raise ValueError(
+            f"split: expected 1 or a cluster of {CLUSTER_SPLITS} CTAs dividing H/{LANES} = {H // LANES}, got {split}"
+        )
     if batch < 1 or (batch > 1 and split == 1):
-        raise ValueError(f"batch: expected 1, or > 1 with a cluster split (rows resident), got {batch} with split={split}")
+        raise ValueError(
+            f"batch: expected 1, or > 1 with a cluster split (rows resident), got {batch} with split={split}"
+        )
     C = H // LANES // split
-    interpret = _interpret()
+    interpret = _interpret() if interpret is None else bool(interpret)
+    if interpret:
+        _check_interpretable()
     if profile_dir and interpret:
         raise ValueError("profile_dir: Mosaic GPU's in-kernel profiler runs on the GPU only, not in interpret mode")
     if split > 1 and interpret:
-        raise ValueError(f"split: Mosaic GPU interpret mode has no cluster shared memory; expected split=1, got {split}")
-    body, scratch = _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, xmoe_replicas, ring, split,
-                                 batch=batch)
+        raise ValueError(
+            f"split: Mosaic GPU interpret mode has no cluster shared memory; expected split=1, got {split}"
+        )
+    body, scratch = _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, xmoe_replicas, ring, split, batch=batch)
     row = (split, C, LANES)  # one row of H, as the CTAs of a token see it
     out_type = [jax.ShapeDtypeStruct((T, *row), bf16)]
     if xmoe_replicas:
@@ -382,7 +457,9 @@ def consumer_with(
         grid=(T,),
         grid_names=("t",),
         kernel_name=KERNEL_NAME,
-        compiler_params=plgpu.CompilerParams(profile_space=PROFILE_RANGES, profile_dir=profile_dir) if profile_dir else None,
+        compiler_params=plgpu.CompilerParams(profile_space=PROFILE_RANGES, profile_dir=profile_dir)
+        if profile_dir
+        else None,
         interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,  # poisoned outputs
         **cluster,
     )

@@ -1,0 +1,152 @@
+"""jax.grad through oproj_jax.consumer: the same gradients on every backend (the chosen kernel's
+forward, the reference's VJP as the backward).
+
+On the CPU: the reference and the Pallas kernel in interpret mode are differentiated; the cute
+backend is lowered for CUDA under jax.grad (its custom call must be the forward). That the GPU
+kernels' forward under grad runs and matches is for the GPU tests: the backward never runs a kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import oproj_jax
+from oproj_jax import api, configs
+from oproj_jax.cute import backend as cute_backend
+from oproj_jax.cute import ffi
+from oproj_jax.cute import manifest as M
+
+NAMES = ("mailbox", "prefix", "blocks", "norm", "query", "out_norm")
+
+
+def inputs(R=2, T=2, NB=2, H=512, seed=0):
+    k = jax.random.split(jax.random.key(seed), 6)
+    bf16 = jnp.bfloat16
+    return (
+        jax.random.normal(k[0], (R, T, H), bf16),
+        jax.random.normal(k[1], (T, H), bf16),
+        jax.random.normal(k[2], (T, NB, H), bf16),
+        1 + 0.1 * jax.random.normal(k[3], (H,), bf16),
+        0.05 * jax.random.normal(k[4], (H,), bf16),
+        1 + 0.1 * jax.random.normal(k[5], (H,), bf16),
+    )
+
+
+def loss(*arrays, backend, **options):
+    res = oproj_jax.consumer(*arrays, backend=backend, **options)
+    total = jnp.sum(res.output.astype(jnp.float32) * jnp.arange(res.output.size).reshape(res.output.shape) / 1e3)
+    total = total + 0.5 * jnp.sum(res.prefix.astype(jnp.float32) ** 2)
+    if res.xmoe is not None:
+        total = total + jnp.sum(res.xmoe.astype(jnp.float32))
+    return total
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(groups=2), dict(has_delta=False, groups=1, xmoe_replicas=1)],
+    ids=["delta-groups2", "nodelta-xmoe1"],
+)
+def test_pallas_grad_equals_the_reference_grad(options):
+    x = inputs()
+    ref_val, ref_grads = jax.value_and_grad(
+        functools.partial(loss, backend="reference", **options), argnums=tuple(range(6))
+    )(*x)
+    pal_val, pal_grads = jax.value_and_grad(
+        functools.partial(loss, backend="pallas", **options), argnums=tuple(range(6))
+    )(*x)
+    np.testing.assert_allclose(float(pal_val), float(ref_val), rtol=1e-2)  # the forwards: bf16 outputs
+    for name, r, p in zip(NAMES, ref_grads, pal_grads):
+        r, p = np.asarray(r, np.float32), np.asarray(p, np.float32)
+        assert p.dtype == r.dtype and p.shape == r.shape, name
+        assert np.isfinite(p).all(), name
+        unread = name == "prefix" and not options.get("has_delta", True)  # has_delta=False: prefix not read
+        assert (np.abs(p).max() == 0) if unread else (np.abs(p).max() > 0), name
+        np.testing.assert_allclose(p, r, rtol=2e-2, atol=1e-3, err_msg=name)  # in fact equal: one backward
+
+
+def test_grad_under_jit_and_unused_outputs():
+    """Only `output` used: the prefix and xmoe cotangents are zeros; jit around grad."""
+    x = inputs(NB=0)
+    f = jax.jit(
+        jax.grad(
+            lambda *a: jnp.sum(oproj_jax.consumer(*a, backend="pallas", groups=1).output.astype(jnp.float32)),
+            argnums=(0, 3, 5),
+        )
+    )
+    r = jax.grad(
+        lambda *a: jnp.sum(oproj_jax.consumer(*a, backend="reference", groups=1).output.astype(jnp.float32)),
+        argnums=(0, 3, 5),
+    )(*x)
+    for got, want in zip(f(*x), r):
+        assert np.isfinite(np.asarray(got, np.float32)).all()
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=1e-3)
+
+
+def test_reference_keeps_forward_mode():
+    x = inputs()
+    tangents = tuple(jnp.ones_like(a) for a in x)
+    _, out_tangent = jax.jvp(lambda *a: oproj_jax.consumer(*a, backend="reference", groups=2).output, x, tangents)
+    assert np.isfinite(np.asarray(out_tangent, np.float32)).all()
+
+
+class FakeHopper:
+    platform = "gpu"
+    compute_capability = "9.0"
+    id = 0
+
+
+@pytest.fixture
+def cute_lowerable(tmp_path, monkeypatch, tmp_path_factory):
+    """A sealed fake manifest with the registry's key, a built FFI library, CUDA pretended: enough
+    to lower backend="cute" for CUDA on this machine."""
+    key = M.make_key(2, 1, True, 2, 0, False)
+    (tmp_path / "k.cubin").write_bytes(b"never launched")
+    entry = dict(
+        key=key,
+        min_ctas=0,
+        fold=True,
+        cubin="k.cubin",
+        entry="ready_entry",
+        dynamic_smem_bytes=1000,
+        block=[128, 1, 1],
+        cluster=[7, 1, 1],
+        params=[".u64"] * 14,
+    )
+    manifest = M.seal(dict(arch="sm_90a", cutlass_dsl="4.8.1", H=configs.HIDDEN, kernels=[entry]), tmp_path)
+    (tmp_path / M.MANIFEST).write_text(json.dumps(manifest))
+    library = ffi.build_library(tmp_path_factory.mktemp("grad_lib"))
+    monkeypatch.setenv(M.ENV_DIR, str(tmp_path))
+    monkeypatch.setenv("OPROJ_JAX_FFI_LIBRARY", str(library))
+    monkeypatch.setattr(cute_backend, "_is_cuda", lambda platform: True)
+    monkeypatch.setattr(api, "_placement", lambda *arrays: ("gpu", [FakeHopper()]))
+
+
+@pytest.mark.slow
+def test_cute_forward_under_grad_is_the_custom_call(cute_lowerable):
+    H = configs.HIDDEN
+    specs = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((2, 3, H), (3, H), (3, 1, H), (H,), (H,), (H,))]
+    grad = jax.grad(functools.partial(loss, backend="cute", groups=2), argnums=tuple(range(6)))
+    text = jax.jit(grad).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call @oproj_cute_consumer_ready" in line]
+    assert len(calls) == 1 and 'entry = "ready_entry"' in calls[0]  # the forward: once, the kernel
+    assert "rsqrt" in text  # the backward: the reference's jnp VJP (its RMSNorms)
+
+
+@pytest.mark.slow
+def test_cute_forward_without_grad_keeps_the_in_place_prefix(cute_lowerable):
+    """The custom_vjp wrapper is transparent to a plain jitted call: the one custom call, and the
+    prefix (operand 1) still aliased to its result, so a donated prefix is updated in place."""
+    H = configs.HIDDEN
+    specs = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((2, 3, H), (3, H), (3, 1, H), (H,), (H,), (H,))]
+    step = jax.jit(functools.partial(oproj_jax.consumer, backend="cute", groups=2), donate_argnums=1)
+    text = step.trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call @oproj_cute_consumer_ready" in line]
+    assert len(calls) == 1
+    assert "output_tuple_indices = [0], operand_index = 1" in calls[0]
+    assert "tf.aliasing_output" in text or "jax.buffer_donor" in text  # the donated prefix reaches XLA

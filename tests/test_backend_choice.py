@@ -1,0 +1,153 @@
+"""backend="auto" by device capability, and oproj_jax.explain, on the CPU with stand-in devices.
+
+The devices here are objects with a platform and a compute capability, as JAX's GPU devices
+have; whether a real H100/H200 reports "9.0" and the kernels then run is for the GPU tests.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import oproj_jax
+from oproj_jax import api, configs
+from oproj_jax.api import Dims
+from oproj_jax.cute import backend as cute_backend
+from oproj_jax.cute import manifest as M
+
+H = configs.HIDDEN
+DIMS = Dims(R=2, T=1, NB=1, H=H)
+OPTIONS = dict(eps=1e-6, out_eps=1e-6, has_delta=True, groups=2, xmoe_replicas=0)
+
+
+class FakeGPU:
+    platform = "gpu"
+
+    def __init__(self, capability: str, index: int = 0):
+        self.compute_capability = capability
+        self.id = index
+
+    def __repr__(self):
+        return f"FakeGPU({self.id}, cc {self.compute_capability})"
+
+
+def arrays(R=2, T=1, NB=1, hidden=H):
+    bf16 = jnp.bfloat16
+    return (
+        jnp.zeros((R, T, hidden), bf16),
+        jnp.zeros((T, hidden), bf16),
+        jnp.zeros((T, NB, hidden), bf16),
+        jnp.ones((hidden,), bf16),
+        jnp.zeros((hidden,), bf16),
+        jnp.ones((hidden,), bf16),
+    )
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    monkeypatch.setattr(api, "_warned", set())
+
+
+@pytest.fixture
+def cute_here(tmp_path, monkeypatch):
+    """The cute backend as it looks on a CUDA machine with the library and the variant built:
+    a sealed fake manifest of DIMS's key (folded build), a file for the library, CUDA pretended."""
+    (tmp_path / "k.cubin").write_bytes(b"fake")
+    entry = dict(
+        key=M.make_key(2, 1, True, 2, 0, False),
+        min_ctas=0,
+        fold=True,
+        cubin="k.cubin",
+        entry="k",
+        dynamic_smem_bytes=1,
+        block=[128, 1, 1],
+        cluster=[7, 1, 1],
+        params=[".u64"] * 14,
+    )
+    manifest = M.seal(dict(arch="sm_90a", cutlass_dsl="4.8.1", H=H, kernels=[entry]), tmp_path)
+    (tmp_path / M.MANIFEST).write_text(json.dumps(manifest))
+    (tmp_path / "lib.so").write_bytes(b"")
+    monkeypatch.setenv(M.ENV_DIR, str(tmp_path))
+    monkeypatch.setenv("OPROJ_JAX_FFI_LIBRARY", str(tmp_path / "lib.so"))
+    monkeypatch.setattr(cute_backend, "_is_cuda", lambda platform: True)
+
+
+def test_hopper_gpu_auto_takes_the_first_kernel_that_runs(cute_here):
+    assert api.resolve_backend("auto", "gpu", DIMS, devices=[FakeGPU("9.0")], **OPTIONS) == "cute"
+    # a shape the cubins were not built for: the next kernel
+    assert api.resolve_backend("auto", "gpu", DIMS._replace(NB=2), devices=[FakeGPU("9.0")], **OPTIONS) == "pallas"
+
+
+def test_hopper_gpu_without_cute_takes_pallas():
+    """cute is unavailable here (no CUDA platform), pallas runs on the 9.0 device."""
+    assert api.resolve_backend("auto", "gpu", DIMS, devices=[FakeGPU("9.0")], **OPTIONS) == "pallas"
+
+
+@pytest.mark.parametrize("capabilities", [["8.0"], ["10.0"], ["9.0", "8.9"]], ids=str)
+def test_other_gpus_get_the_reference_with_a_warning(cute_here, fresh_warnings, capabilities):
+    devices = [FakeGPU(c, i) for i, c in enumerate(capabilities)]
+    with pytest.warns(RuntimeWarning, match="runs the jnp reference on this GPU") as record:
+        assert api.resolve_backend("auto", "gpu", DIMS, devices=devices, **OPTIONS) == "reference"
+    message = str(record[0].message)
+    odd = next(c for c in capabilities if c != "9.0")
+    assert f"compute capability {odd}" in message and "cute:" in message and "pallas:" in message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per reason: a decode loop is not flooded
+        api.resolve_backend("auto", "gpu", DIMS, devices=devices, **OPTIONS)
+
+
+@pytest.mark.parametrize("name", ["cute", "pallas"])
+def test_a_named_kernel_on_another_gpu_raises_naming_the_capability(cute_here, name):
+    with pytest.raises(ValueError, match=rf"backend='{name}' cannot run here: .*compute capability 8\.6"):
+        api.resolve_backend(name, "gpu", DIMS, devices=[FakeGPU("8.6")], **OPTIONS)
+
+
+def test_cpu_auto_takes_the_reference_quietly(fresh_warnings):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert api.resolve_backend("auto", "cpu", DIMS, **OPTIONS) == "reference"
+
+
+def test_available_backends_checks_the_platforms_devices(monkeypatch):
+    monkeypatch.setattr(api, "_platform_devices", lambda platform: [FakeGPU("8.0")])
+    status = api.available_backends("gpu")
+    assert "compute capability 8.0" in status["pallas"] and status["reference"] is None
+    monkeypatch.setattr(api, "_platform_devices", lambda platform: [FakeGPU("9.0")])
+    assert api.available_backends("gpu")["pallas"] is None
+
+
+def test_explain_on_the_cpu():
+    text = oproj_jax.explain(*arrays(), groups=2)
+    first, *rest = text.splitlines()
+    assert first.startswith("backend='auto' runs 'reference'") and "platform 'cpu'" in first
+    assert any(line.startswith("  cute: not picked: the CuTe kernel runs on NVIDIA CUDA GPUs") for line in rest)
+    assert any(line.startswith("  pallas: not picked: auto runs the kernels on CUDA GPUs only") for line in rest)
+    assert "interpret mode" in oproj_jax.explain(*arrays(), groups=2, backend="pallas")
+    assert oproj_jax.explain(*arrays(), backend="cute").startswith("backend='cute' cannot run this call")
+
+
+def test_explain_on_stand_in_gpus(cute_here, monkeypatch):
+    monkeypatch.setattr(api, "_placement", lambda *a: ("gpu", [FakeGPU("9.0")]))
+    text = oproj_jax.explain(*arrays(), groups=2)
+    assert text.splitlines()[0].startswith("backend='auto' runs 'cute'") and "compute capability 9.0" in text
+    assert "  pallas: not picked: 'cute' comes first" in text
+    monkeypatch.setattr(api, "_placement", lambda *a: ("gpu", [FakeGPU("8.0")]))
+    text = oproj_jax.explain(*arrays(), groups=2)
+    assert text.splitlines()[0].startswith("backend='auto' runs 'reference'")
+    assert text.count("has compute capability 8.0") == 2  # cute and pallas
+
+
+def test_explain_checks_its_arguments_like_consumer():
+    mailbox, *rest = arrays()
+    with pytest.raises(TypeError, match="mailbox: expected dtype bfloat16"):
+        oproj_jax.explain(mailbox.astype(jnp.float32), *rest)
+    with pytest.raises(ValueError, match="groups"):
+        oproj_jax.explain(mailbox, *rest, groups=9)
+    with pytest.raises(ValueError, match="backend: expected one of"):
+        oproj_jax.explain(mailbox, *rest, backend="triton")
+    specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays()]  # shapes only: the default device
+    assert oproj_jax.explain(*specs, groups=2).startswith("backend='auto' runs 'reference'")

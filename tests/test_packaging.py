@@ -1,0 +1,124 @@
+"""The package as pip builds it: a platform wheel carrying the FFI library, the C++ sources and
+the cubins (when built), installable and importable away from the checkout.
+
+The wheel is built from a copy of the checkout (the build writes build/ and *.egg-info next to
+setup.py). `pip wheel . --no-deps` uses build isolation: pip installs setuptools, jaxlib==0.11.2
+and nvidia-cuda-runtime from the package index into a throwaway environment (network needed;
+about 30 s with pip's cache warm). What only a GPU can show: that the library built here
+registers its targets with the CUDA plugin and launches the cubins (tests/test_cute_gpu.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+LIBRARY = "oproj_jax/_lib/liboproj_ffi.so"
+CUBIN_DIR = ROOT / "oproj_jax" / "cute" / "cubins"
+
+
+def checkout_copy(dest: pathlib.Path) -> pathlib.Path:
+    ignore = shutil.ignore_patterns(
+        ".venv", ".git", "build", "*.egg-info", "__pycache__", "_lib", ".dev", ".whl", ".pytest_cache"
+    )
+    shutil.copytree(ROOT, dest, ignore=ignore)
+    return dest
+
+
+def build_wheel(src: pathlib.Path, out: pathlib.Path, *extra: str, env=None) -> tuple[pathlib.Path, str]:
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "-w", str(out), *extra],
+        cwd=src,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    if done.returncode != 0:
+        pytest.fail(f"pip wheel failed ({done.returncode}):\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
+    (wheel,) = out.glob("*.whl")
+    return wheel, done.stdout + done.stderr
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> pathlib.Path:
+    """`pip wheel . --no-deps`, as a user runs it (build isolation)."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    path, _ = build_wheel(checkout_copy(tmp / "src"), tmp / "dist")
+    return path
+
+
+@pytest.mark.slow
+def test_wheel_is_platform_tagged_and_carries_the_library(wheel):
+    python_tag, abi_tag, platform_tag = wheel.stem.split("-")[-3:]
+    assert (python_tag, abi_tag) == ("py3", "none"), wheel.name  # no Python extension: any Python 3
+    assert platform_tag != "any" and platform_tag.startswith("linux"), wheel.name
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert LIBRARY in names
+    sources = {p.relative_to(ROOT).as_posix() for p in (ROOT / "oproj_jax/cute/csrc").iterdir() if p.is_file()}
+    assert sources and sources <= names, sorted(sources - names)
+    assert "oproj_jax/cute/ABI.md" in names
+    if (CUBIN_DIR / "manifest.json").is_file():  # built in this checkout: shipped with it
+        cubins = {f"oproj_jax/cute/cubins/{p.name}" for p in CUBIN_DIR.iterdir() if p.is_file()}
+        assert "oproj_jax/cute/cubins/manifest.json" in names
+        assert cubins <= names, sorted(cubins - names)[:5]
+    assert not any(n.endswith(".tmp") or "/__pycache__/" in n for n in names)
+
+
+@pytest.mark.slow
+def test_installed_wheel_runs_away_from_the_checkout(wheel, tmp_path):
+    """The wheel unpacked on its own (no checkout on sys.path): the library loads and exports
+    the bootstrap symbol, the cute backend finds it, the reference backend runs."""
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile", "--target", str(target), str(wheel)],
+        check=True,
+        capture_output=True,
+    )
+    library = target / LIBRARY
+    assert ctypes.CDLL(str(library)).OprojRegisterTargets  # AttributeError if not exported
+    script = (
+        "import jax, jax.numpy as jnp, oproj_jax\n"
+        "from oproj_jax.cute import ffi\n"
+        f"assert oproj_jax.__file__.startswith({str(target)!r}), oproj_jax.__file__\n"
+        "assert ffi.unavailable_reason() is None, ffi.unavailable_reason()\n"
+        "x = jnp.ones((2, 1, 512), jnp.bfloat16); w = jnp.ones((512,), jnp.bfloat16)\n"
+        "res = oproj_jax.consumer(x, x[0], jnp.zeros((1, 0, 512), jnp.bfloat16), w, w, w, backend='reference')\n"
+        "print(float(res.prefix[0, 0]))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPROJ_JAX_")}
+    env["PYTHONPATH"] = str(target)
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "3.0"  # prefix 1 + two slots of 1
+
+
+@pytest.mark.slow
+def test_without_a_compiler_the_wheel_has_no_library_and_says_so(tmp_path):
+    """No compiler: the package still builds (reference and pallas need nothing native), the
+    build log says how to get the library later, and the wheel holds no stale copy of it."""
+    src = checkout_copy(tmp_path / "src")
+    (src / "oproj_jax" / "_lib").mkdir()
+    (src / LIBRARY).write_bytes(b"a stale library of the checkout: never shipped")
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"))
+    wheel, log = build_wheel(src, tmp_path / "dist", "--no-build-isolation", "-v", env=env)
+    assert LIBRARY not in zipfile.ZipFile(wheel).namelist()
+    assert "installing without the FFI library" in log and "python -m oproj_jax.build --ffi-only" in log
+
+
+def test_missing_library_reason_names_the_build_command(monkeypatch, tmp_path):
+    from oproj_jax.cute import ffi
+
+    monkeypatch.setenv("OPROJ_JAX_FFI_LIBRARY", str(tmp_path / "liboproj_ffi.so"))
+    reason = ffi.unavailable_reason()
+    assert "not built" in reason and ffi.BUILD_COMMAND in reason and str(tmp_path) in reason
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    assert "no C++ compiler" in ffi.unavailable_reason()
