@@ -84,7 +84,9 @@ def consumer(
     w = norm.astype(f32) * query.astype(f32)  # [H]: key norm folded into the pseudo-query
     sources = jnp.concatenate([blocks.astype(f32), p[:, None, :]], axis=1)  # [T, NB+1, H]
     logits = jnp.sum(sources * w, axis=-1) * rstd(jnp.sum(sources * sources, axis=-1), eps, hidden)  # [T, NB+1]
-    weights = jax.nn.softmax(logits, axis=-1)
+    # With one source (NB = 0) its weight is exactly 1 (docs/spec.md), also where its logit is
+    # not finite (a softmax of a lone inf/NaN logit would be NaN).
+    weights = jax.nn.softmax(logits, axis=-1) if blocks.shape[1] else jnp.ones_like(logits)
     y = jnp.sum(weights[..., None] * sources, axis=1)  # f32, never rounded
     y = y * rstd(jnp.sum(y * y, axis=-1, keepdims=True), out_eps, hidden)
     output = (y * out_norm.astype(f32)).astype(bf16)  # ROUND: the output is bf16

@@ -27,14 +27,16 @@ Modes (how the R partials reach each rank's consumer):
 With a one-slot mailbox (twoshot, psum) the consumer runs with groups=1: `groups` only fixes
 oneshot's order (it is still validated in every mode).
 
-Checks run eagerly, on the global shapes, before any tracing: api.check_arguments for the
-generic ones, then the layout's (mesh axis, R, H % R, mode). The backend is resolved once,
+Checks run eagerly, on the global shapes, before any tracing: the options (oproj_jax.options.
+Options, whose defaults they take), api.check_arguments for the generic ones, then the layout's
+(mesh axis, R, H % R, mode). The backend is resolved once,
 for one rank's view and the platform of the mesh's devices (which need not be JAX's default
 backend); a backend that cannot run there raises, as in api.consumer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -44,21 +46,12 @@ from jax.sharding import PartitionSpec as P
 
 from oproj_jax import api
 from oproj_jax.cute import peer
+from oproj_jax.options import Options
 from oproj_jax.reference import rank_sum, without_negative_zero
 
 MODES = ("oneshot", "twoshot", "psum", "peer")
 
-# The consumer's options and their defaults (the same as api.consumer's).
-_DEFAULT_OPTIONS = dict(eps=1e-6, out_eps=1e-6, has_delta=True, groups=4, xmoe_replicas=0)
-
 f32, bf16 = jnp.float32, jnp.bfloat16
-
-
-def _options(options: dict) -> dict:
-    unknown = sorted(set(options) - set(_DEFAULT_OPTIONS))
-    if unknown:
-        raise TypeError(f"unexpected option(s) {unknown}; expected some of {sorted(_DEFAULT_OPTIONS)}")
-    return {**_DEFAULT_OPTIONS, **options}
 
 
 def _check_layout(mesh, axis_name, mode, backend, peer_options) -> int:
@@ -76,7 +69,9 @@ def _check_layout(mesh, axis_name, mode, backend, peer_options) -> int:
         if mode != "peer":
             raise ValueError(f"peer_options: only mode='peer' takes them, the mode is {mode!r}")
         if not isinstance(peer_options, peer.PeerOptions):
-            raise TypeError(f"peer_options: expected oproj_jax.cute.peer.PeerOptions, got {type(peer_options).__name__}")
+            raise TypeError(
+                f"peer_options: expected oproj_jax.cute.peer.PeerOptions, got {type(peer_options).__name__}"
+            )
         skip = peer_options.skip_publish_rank
         if skip is not None and skip >= mesh.shape[axis_name]:
             raise ValueError(f"peer_options: skip_publish_rank must be a rank < {mesh.shape[axis_name]}, got {skip}")
@@ -90,37 +85,34 @@ def _check_ranks(R: int, ranks: int, mode: str, H: int, what: str) -> None:
         raise ValueError(f"{what}: twoshot splits H into R column slices; expected H % R == 0, got H={H}, R={R}")
 
 
-def _plan(mesh, axis_name, mode, backend, opts, dims: api.Dims, fused: bool, peer_options):
+def _plan(mesh, axis_name, mode, backend, opts: Options, dims: api.Dims, fused: bool, peer_options):
     """Resolves the backend for one rank's view on the mesh's platform (eagerly, so "auto" and
     errors follow the mesh's devices, not JAX's default backend) and returns the jitted layout."""
-    consume_opts = dict(
-        eps=float(opts["eps"]),
-        out_eps=float(opts["out_eps"]),
-        has_delta=bool(opts["has_delta"]),
-        groups=int(opts["groups"]) if mode == "oneshot" else 1,  # one slot: nothing to order
-        xmoe_replicas=int(opts["xmoe_replicas"]),
-    )
     if mode == "peer":
-        consume_opts["groups"] = int(opts["groups"])
-        plan = _peer_plan(mesh, axis_name, backend, consume_opts, dims, peer_options or peer.PeerOptions())
-        return _sharded(mesh, axis_name, mode, "cute", tuple(sorted(consume_opts.items())), fused, dims.NB == 0, plan)
+        plan = _peer_plan(mesh, axis_name, backend, opts, dims, peer_options or peer.PeerOptions())
+        return _sharded(mesh, axis_name, mode, "cute", opts, fused, dims.NB == 0, plan)
+    if mode != "oneshot":
+        opts = dataclasses.replace(opts, groups=1)  # one slot: nothing to order
     view = dims._replace(R=dims.R if mode == "oneshot" else 1)  # each rank's mailbox
     platform = mesh.devices.flat[0].platform
-    name = api.resolve_backend(backend, platform, view, **consume_opts)
-    return _sharded(mesh, axis_name, mode, name, tuple(sorted(consume_opts.items())), fused, dims.NB == 0)
+    name = api.resolve_backend(backend, platform, view, **opts.asdict())
+    return _sharded(mesh, axis_name, mode, name, opts, fused, dims.NB == 0)
 
 
-def _peer_plan(mesh, axis_name, backend, consume_opts, dims: api.Dims, options):
+def _peer_plan(mesh, axis_name, backend, opts: Options, dims: api.Dims, options):
     """Checks that mode="peer" runs here (backend cute on CUDA GPUs of this process, a supported
     shape); returns what the jitted layout needs: (the group table, the options)."""
     if backend not in ("auto", "cute"):
-        raise ValueError(f"backend: mode='peer' needs backend 'cute' on CUDA GPUs (its CuTe consumer polls "
-                         f"mailboxes that its FFI handler owns), got backend={backend!r}")
+        raise ValueError(
+            f"backend: mode='peer' needs backend 'cute' on CUDA GPUs (its CuTe consumer polls "
+            f"mailboxes that its FFI handler owns), got backend={backend!r}"
+        )
     reason = peer.unavailable_reason(mesh.devices.flat[0].platform)
     if reason:
         raise ValueError(f"mode: mode='peer' needs backend 'cute' on CUDA GPUs; it cannot run on this mesh: {reason}")
-    reason = peer.unsupported_reason(dims, has_delta=consume_opts["has_delta"], groups=consume_opts["groups"],
-                                     xmoe_replicas=consume_opts["xmoe_replicas"])
+    reason = peer.unsupported_reason(
+        dims, has_delta=opts.has_delta, groups=opts.groups, xmoe_replicas=opts.xmoe_replicas
+    )
     if reason:
         raise ValueError(f"mode: mode='peer' cannot run this call: {reason}")
     return peer.group_table(mesh, axis_name), options
@@ -149,8 +141,8 @@ def tp_consumer(
     call is eager. Works eagerly and under jit / scan (donate the prefix at the caller's jit).
     """
     ranks = _check_layout(mesh, axis_name, mode, backend, peer_options)
-    opts = _options(options)
-    dims = api.check_arguments(partial, prefix, blocks, norm, query, out_norm, **opts)
+    opts = Options.from_kwargs(options)
+    dims = api.check_arguments(partial, prefix, blocks, norm, query, out_norm, **opts.asdict())
     _check_ranks(dims.R, ranks, mode, dims.H, "partial")
     fn = _plan(mesh, axis_name, mode, backend, opts, dims, False, peer_options)
     result = fn(partial, prefix, norm, query, out_norm, *(() if dims.NB == 0 else (blocks,)))
@@ -183,7 +175,7 @@ def tp_oproj_consumer(
     same `mode`. Returns the same replicated ConsumerResult (PeerResult for mode="peer").
     """
     ranks = _check_layout(mesh, axis_name, mode, backend, peer_options)
-    opts = _options(options)
+    opts = Options.from_kwargs(options)
     T, K = api.check_array("attn", attn, 2, "[T, heads*head_dim]")
     wK, H = api.check_array("w_o", w_o, 2, "[heads*head_dim, H]")
     if wK != K:
@@ -193,7 +185,7 @@ def tp_oproj_consumer(
     if K % ranks:
         raise ValueError(f"attn: heads*head_dim is split over {ranks} ranks; expected a multiple of {ranks}, got {K}")
     partial = jax.ShapeDtypeStruct((ranks, T, H), bf16)  # what the producer will publish
-    dims = api.check_arguments(partial, prefix, blocks, norm, query, out_norm, **opts)
+    dims = api.check_arguments(partial, prefix, blocks, norm, query, out_norm, **opts.asdict())
     _check_ranks(dims.R, ranks, mode, H, "w_o")
     fn = _plan(mesh, axis_name, mode, backend, opts, dims, True, peer_options)
     result = fn(attn, w_o, prefix, norm, query, out_norm, *(() if dims.NB == 0 else (blocks,)))
@@ -227,22 +219,23 @@ def _mailbox(mine, axis_name: str, mode: str, ranks: int):  # [1, T, H] bf16, pu
 @functools.lru_cache(maxsize=64)
 def _sharded(mesh, axis_name, mode, backend, options, fused, no_blocks, peer_plan=None):
     """The jitted shard_map for one static layout (cached: eager calls do not retrace);
-    `backend` is resolved (a registry name), `options` are the consumer's, as sorted items,
+    `backend` is resolved (a registry name), `options` the consumer's (an Options),
     `peer_plan` (mode="peer") the group table and the PeerOptions.
 
     Arguments: the producer's (partial, or attn and w_o), then prefix, norm, query, out_norm,
     then blocks unless `no_blocks`: with NB = 0 the empty [T, 0, H] blocks are made inside,
     because a zero-size shard_map operand crashes jax 0.11.2 on a multi-device CPU mesh
     (segmentation fault, seen with any shard_map over >= 2 devices)."""
-    consume_opts = dict(options)
+    consume_opts = options.asdict()
     ranks = int(mesh.shape[axis_name])
 
     def consume(mine, prefix, norm, query, out_norm, *blocks):  # mine: [1, T, H] bf16
         (blocks,) = blocks or (jnp.zeros((prefix.shape[0], 0, prefix.shape[1]), bf16),)
         if peer_plan is not None:  # the FFI call publishes (-0.0 -> +0.0 in its publish kernel)
             table, peer_options = peer_plan
-            return peer.consume(mine[0], prefix, blocks, norm, query, out_norm, table=table, options=peer_options,
-                                **consume_opts)
+            return peer.consume(
+                mine[0], prefix, blocks, norm, query, out_norm, table=table, options=peer_options, **consume_opts
+            )
         mailbox = _mailbox(without_negative_zero(mine), axis_name, mode, ranks)  # published, then moved
         return api.consumer(mailbox, prefix, blocks, norm, query, out_norm, backend=backend, **consume_opts)
 

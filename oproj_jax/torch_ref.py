@@ -13,13 +13,13 @@ rounding. Inputs are never modified: the updated prefix is returned, not written
 
 from __future__ import annotations
 
-import numbers
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from oproj_jax.options import DEFAULTS, Options
+
 MAX_BLOCKS = 8
-MAX_GROUPS = 4
 
 
 def _torch():
@@ -56,7 +56,7 @@ def to_numpy(x):  # bf16 torch.Tensor [...] (any device) -> numpy ml_dtypes bf16
     return x.detach().cpu().contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
 
 
-def _check(torch, mailbox, prefix, blocks, norm, query, out_norm, groups, xmoe_replicas):
+def _check(torch, mailbox, prefix, blocks, norm, query, out_norm):
     named = dict(mailbox=mailbox, prefix=prefix, blocks=blocks, norm=norm, query=query, out_norm=out_norm)
     for name, x in named.items():
         if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
@@ -73,13 +73,9 @@ def _check(torch, mailbox, prefix, blocks, norm, query, out_norm, groups, xmoe_r
             got = tuple(named[name].shape)
             raise ValueError(f"{name}: expected shape {shape} (from mailbox [R, T, H]), got {got}")
     if blocks.dim() != 3 or (blocks.shape[0], blocks.shape[2]) != (T, H) or blocks.shape[1] > MAX_BLOCKS:
-        raise ValueError(f"blocks: expected shape [T, NB, H] = ({T}, NB <= {MAX_BLOCKS}, {H}), got {tuple(blocks.shape)}")
-    for name, value, lo, hi in (("groups", groups, 1, MAX_GROUPS), ("xmoe_replicas", xmoe_replicas, 0, None)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
-        if value < lo or (hi is not None and value > hi):
-            span = f"{lo} <= {name} <= {hi}" if hi is not None else f"{name} >= {lo}"
-            raise ValueError(f"{name}: expected {span}, got {value}")
+        raise ValueError(
+            f"blocks: expected shape [T, NB, H] = ({T}, NB <= {MAX_BLOCKS}, {H}), got {tuple(blocks.shape)}"
+        )
 
 
 def _ordered_rank_sum(slots, groups: int):  # R x [T, H] f32 -> [T, H] f32
@@ -110,14 +106,16 @@ def consumer(
     query,  # [H] bf16: AttnRes pseudo-query
     out_norm,  # [H] bf16: RMSNorm weight of the next sub-layer's input
     *,
-    eps: float = 1e-6,
-    out_eps: float = 1e-6,
-    has_delta: bool = True,
-    groups: int = 4,
-    xmoe_replicas: int = 0,
+    eps: float = DEFAULTS.eps,
+    out_eps: float = DEFAULTS.out_eps,
+    has_delta: bool = DEFAULTS.has_delta,
+    groups: int = DEFAULTS.groups,
+    xmoe_replicas: int = DEFAULTS.xmoe_replicas,
 ) -> TorchResult:
     torch = _torch()
-    _check(torch, mailbox, prefix, blocks, norm, query, out_norm, groups, xmoe_replicas)
+    _check(torch, mailbox, prefix, blocks, norm, query, out_norm)
+    # The options' checks and their messages are oproj_jax.consumer's (oproj_jax.options).
+    opts = Options(eps=eps, out_eps=out_eps, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas)
     f32, bf16 = torch.float32, torch.bfloat16
     H = mailbox.shape[-1]
 
@@ -126,8 +124,8 @@ def consumer(
 
     # Producers publish -0.0 as +0.0; a float compare catches both zeros.
     slots = [torch.where(s == 0, torch.zeros_like(s), s).to(f32) for s in mailbox.unbind(0)]
-    reduced = _ordered_rank_sum(slots, groups).to(bf16)  # ROUND: the reduced partials are bf16
-    if has_delta:
+    reduced = _ordered_rank_sum(slots, opts.groups).to(bf16)  # ROUND: the reduced partials are bf16
+    if opts.has_delta:
         reduced = (prefix.to(f32) + reduced.to(f32)).to(bf16)  # ROUND: the prefix is bf16
     new_prefix = reduced  # [T, H] bf16
     p = new_prefix.to(f32)
@@ -138,25 +136,25 @@ def consumer(
     p_sq = (p * p).sum(-1)  # [T]
     nb = blocks.shape[1]
     if nb == 0:
-        scaled = p * rstd(p_sq, out_eps)[:, None]
+        scaled = p * rstd(p_sq, opts.out_eps)[:, None]
     else:
         # Streaming form (the original kernel's): unnormalized softmax over the blocks, then fold in p.
         b = blocks.to(f32)  # [T, NB, H]
-        block_logit = (b * w).sum(-1) * rstd((b * b).sum(-1), eps)  # [T, NB]
+        block_logit = (b * w).sum(-1) * rstd((b * b).sum(-1), opts.eps)  # [T, NB]
         block_max = block_logit.max(dim=-1).values  # [T]
         e = torch.exp(block_logit - block_max[:, None])  # [T, NB]
         mix = (e[:, :, None] * b).sum(1)  # [T, H]: sum_b e_b * block_b, unnormalized
-        p_logit = (p * w).sum(-1) * rstd(p_sq, eps)  # [T]
+        p_logit = (p * w).sum(-1) * rstd(p_sq, opts.eps)  # [T]
         top = torch.maximum(block_max, p_logit)
         alpha, ep = torch.exp(block_max - top), torch.exp(p_logit - top)  # [T]
         den = alpha * e.sum(-1) + ep  # softmax denominator
         quad = alpha * alpha * (mix * mix).sum(-1) + 2 * alpha * ep * (mix * p).sum(-1) + ep * ep * p_sq
-        scale = rstd(quad, out_eps * den * den)  # ||y||-normalization; 1/den cancels
+        scale = rstd(quad, opts.out_eps * den * den)  # ||y||-normalization; 1/den cancels
         scaled = (alpha * scale)[:, None] * mix + (ep * scale)[:, None] * p
     output = (scaled * out_norm.to(f32)).to(bf16)  # ROUND: the output is bf16
 
     xmoe = None
-    if xmoe_replicas:
+    if opts.xmoe_replicas:
         clean = torch.where(output == 0, torch.zeros_like(output), output)  # -0.0 -> +0.0
-        xmoe = clean.unsqueeze(0).expand(xmoe_replicas, *output.shape).contiguous()
+        xmoe = clean.unsqueeze(0).expand(opts.xmoe_replicas, *output.shape).contiguous()
     return TorchResult(new_prefix, output, xmoe)

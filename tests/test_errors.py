@@ -1,5 +1,9 @@
 """Every public argument check of oproj_jax.consumer: the error type, a message that names the
-argument, what was expected and what was given, and the caller's arrays left untouched."""
+argument, what was expected and what was given, and the caller's arrays left untouched.
+
+The rows tests/test_contract.py runs for every backend and the PyTorch model (its BAD table:
+mailbox and prefix float32, prefix T, groups 5, xmoe_replicas -1, eps NaN, has_delta 1) are
+not repeated here."""
 
 from __future__ import annotations
 
@@ -44,7 +48,7 @@ CASES = [
     # dtypes
     *(
         (f"{k}-float32", retyped(k, np.float32), {}, TypeError, [f"{k}:", "bfloat16", "float32"])
-        for k in ("mailbox", "prefix", "blocks", "norm", "query", "out_norm")
+        for k in ("blocks", "norm", "query", "out_norm")
     ),
     ("prefix-float16", retyped("prefix", np.float16), {}, TypeError, ["prefix:", "bfloat16", "float16"]),
     ("mailbox-list", {"mailbox": [[[0.0] * H]] * R}, {}, TypeError, ["mailbox:", "[R, T, H]", "list"]),
@@ -57,7 +61,6 @@ CASES = [
     ("out_norm-rank2", reshaped("out_norm", (H, 1)), {}, ValueError, ["out_norm:", "rank 1", f"{(H, 1)}"]),
     ("mailbox-no-ranks", reshaped("mailbox", (0, T, H)), {}, ValueError, ["mailbox:", ">= 1", f"{(0, T, H)}"]),
     # T / H agreement with the mailbox
-    ("prefix-T", reshaped("prefix", (T + 1, H)), {}, ValueError, ["prefix:", f"{(T, H)}", f"{(T + 1, H)}"]),
     ("prefix-H", reshaped("prefix", (T, H + 8)), {}, ValueError, ["prefix:", f"{(T, H)}", f"{(T, H + 8)}"]),
     ("blocks-T", reshaped("blocks", (T + 1, NB, H)), {}, ValueError, ["blocks:", f"T={T}", f"{(T + 1, NB, H)}"]),
     ("blocks-H", reshaped("blocks", (T, NB, H - 8)), {}, ValueError, ["blocks:", f"H={H}", f"{(T, NB, H - 8)}"]),
@@ -68,16 +71,13 @@ CASES = [
     ("blocks-NB9", reshaped("blocks", (T, 9, H)), {}, ValueError, ["blocks:", "at most 8", "NB=9"]),
     # groups
     ("groups-0", {}, dict(groups=0), ValueError, ["groups:", "1 <= groups <= 4", "got 0"]),
-    ("groups-5", {}, dict(groups=5), ValueError, ["groups:", "1 <= groups <= 4", "got 5"]),
     ("groups-float", {}, dict(groups=2.0), TypeError, ["groups:", "int", "2.0"]),
     ("groups-str", {}, dict(groups="2"), TypeError, ["groups:", "int", "'2'"]),
     ("groups-bool", {}, dict(groups=True), TypeError, ["groups:", "int", "True"]),
     # xmoe_replicas
-    ("xmoe-negative", {}, dict(xmoe_replicas=-1), ValueError, ["xmoe_replicas:", ">= 0", "got -1"]),
     ("xmoe-float", {}, dict(xmoe_replicas=1.5), TypeError, ["xmoe_replicas:", "int", "1.5"]),
     # epsilons
     ("eps-negative", {}, dict(eps=-1e-6), ValueError, ["eps:", ">= 0", "-1e-06"]),
-    ("eps-nan", {}, dict(eps=float("nan")), ValueError, ["eps:", "finite", "nan"]),
     ("eps-inf", {}, dict(eps=float("inf")), ValueError, ["eps:", "finite", "inf"]),
     ("eps-str", {}, dict(eps="1e-6"), TypeError, ["eps:", "float", "str"]),
     ("eps-none", {}, dict(eps=None), TypeError, ["eps:", "float", "NoneType"]),
@@ -215,10 +215,9 @@ def test_torch_ref_without_torch_names_the_extra(monkeypatch):
     ("name", "value", "error", "text"),
     [
         ("mailbox", np.zeros((R, T, H), np.float32), TypeError, "mailbox: expected a bfloat16 torch.Tensor"),
-        ("prefix", np.zeros((T + 1, H), bf16), ValueError, f"prefix: expected shape {(T, H)}"),
         ("blocks", np.zeros((T, 9, H), bf16), ValueError, "blocks: expected shape [T, NB, H]"),
     ],
-    ids=["dtype", "prefix-T", "blocks-NB9"],
+    ids=["dtype", "blocks-NB9"],
 )
 def test_torch_ref_bad_argument_is_named(name, value, error, text):
     torch = pytest.importorskip("torch", reason="pip install oproj-jax[test]")

@@ -1,9 +1,10 @@
 """Inputs for the checks and the timings.
 
 Host side: `host_case(config, seed)` = configs.make_inputs plus the independent numpy model of
-the prefix (docs/spec.md's f32 summation order, rounded where the spec rounds) and, for twoshot
-configs, the one-slot gather row the consumer sees. Large cases take tens of seconds of numpy,
-so `HostCases` can build them in worker processes while the GPU works on the small ones.
+the prefix (oproj_jax.testing.model_prefix: docs/spec.md's f32 summation order, rounded where
+the spec rounds) and, for twoshot configs, the one-slot gather row the consumer sees
+(testing.consumer_case). Large cases take tens of seconds of numpy, so `HostCases` can build
+them in worker processes while the GPU works on the small ones.
 
 Device side: `DevicePool` holds many distinct copies of one case's streamed inputs (mailbox,
 blocks, prefix) so that timed calls each read their own buffers and the sets cycled through
@@ -19,7 +20,7 @@ import multiprocessing
 
 import numpy as np
 
-from oproj_jax import configs
+from oproj_jax import configs, testing
 
 WEIGHTS = ("norm", "query", "out_norm")
 BIG_BYTES = 100 * 2**20  # cases above this take seconds of numpy: built first
@@ -33,43 +34,11 @@ class HostCase:
     expected_prefix: np.ndarray  # [T, H] bf16: the numpy model of the spec's prefix (docs/spec.md)
 
 
-def _bf16(x):  # f32 numpy -> ml_dtypes bf16 (round to nearest even)
-    import ml_dtypes
-
-    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16)
-
-
-def model_rank_sum(mailbox, groups: int) -> np.ndarray:  # [R, T, H] bf16 -> [T, H] f32
-    """The spec's summation order (docs/spec.md) in numpy f32: group g sums its S = ceil(R/G) slots left to right,
-    then group 0 adds the other groups' sums in order. -0.0 is published as +0.0 first."""
-    R = mailbox.shape[0]
-    per_group = -(-R // groups)
-    group_sums = []
-    for first in range(0, R, per_group):
-        total = None
-        for r in range(first, min(first + per_group, R)):
-            slot = mailbox[r].astype(np.float32)
-            slot[slot == 0] = 0.0  # published: -0.0 stored as +0.0
-            total = slot if total is None else total + slot
-        group_sums.append(total)
-    total = group_sums[0]
-    for other in group_sums[1:]:
-        total = total + other
-    return total
-
-
-def model_prefix(mailbox, prefix, *, has_delta: bool, groups: int) -> np.ndarray:  # -> [T, H] bf16
-    attn = _bf16(model_rank_sum(mailbox, groups))  # ROUND: the reduced partials are bf16
-    if not has_delta:
-        return attn
-    return _bf16(prefix.astype(np.float32) + attn.astype(np.float32))  # ROUND: the prefix is bf16
-
-
 def host_case(config: configs.Config, seed: int) -> HostCase:
-    inputs = configs.make_inputs(config, seed)
-    if config.twoshot:  # the gather row: every rank's slice summed in rank order, stored in bf16
-        inputs["mailbox"] = _bf16(model_rank_sum(inputs["mailbox"], 1))[None]
-    expected = model_prefix(inputs["mailbox"], inputs["prefix"], has_delta=config.has_delta, groups=config.groups)
+    inputs, _ = testing.consumer_case(config, configs.make_inputs(config, seed))  # twoshot: the gather row
+    expected = testing.model_prefix(
+        inputs["mailbox"], inputs["prefix"], has_delta=config.has_delta, groups=config.groups
+    )
     return HostCase(config, seed, inputs, expected)
 
 
@@ -118,8 +87,9 @@ class DevicePool:
     (n_lists - 1) * k * stream_bytes bytes of other inputs are read: >= 4x the L2 size.
     """
 
-    def __init__(self, case: HostCase, k: int, *, l2_bytes: int, min_lists: int = 2, max_lists: int = 64,
-                 warm: bool = False):
+    def __init__(
+        self, case: HostCase, k: int, *, l2_bytes: int, min_lists: int = 2, max_lists: int = 64, warm: bool = False
+    ):
         """warm=True (a diagnostic, not a benchmark): one input set, read by every call."""
         import jax
         import jax.numpy as jnp

@@ -37,6 +37,7 @@ import numpy as np
 from oproj_jax.cute import ffi
 from oproj_jax.api import ConsumerResult, Dims, check_arguments
 from oproj_jax.cute import manifest as cute_manifest
+from oproj_jax.options import DEFAULTS
 from oproj_jax.reference import without_negative_zero
 
 HIDDEN = 7168  # 7 CTAs x 128 threads x 8 elements: the only hidden size the cubins are built for
@@ -114,25 +115,33 @@ class _Kernel(NamedTuple):
 
 def _kernel(key: dict, T: int, ready: bool) -> _Kernel:
     """The cubin for `key`, T tokens and the mode (manifest.build_for), or a ValueError naming
-    the key and the command that builds it."""
+    the key and the command that builds it. The manifest must match the installed kernel
+    sources and the cubin its recorded sha256 (manifest.py, "Integrity"; hashed once per process)."""
     parsed, where = _manifest()
     if parsed is None:
         raise ValueError(f"no CuTe cubins/manifest found ({where})")
     manifest, entries = parsed
+    stale = cute_manifest.stale_reason(manifest)
+    if stale:
+        raise ValueError(stale)
     build = cute_manifest.build_for(T, ready)
     entry = cute_manifest.find(manifest, key, build, entries)
     if entry is None:
         mode = "ready" if ready else "protocol"
-        raise ValueError(f"no CuTe cubin for key {cute_manifest.describe(key)} built as {build.tag} ({mode} mode, "
-                         f"T={T}) in {where}; build it with `{_key_build_command(key, build)}`")
+        raise ValueError(
+            f"no CuTe cubin for key {cute_manifest.describe(key)} built as {build.tag} ({mode} mode, "
+            f"T={T}) in {where}; build it with `{_key_build_command(key, build)}`"
+        )
     want = TWOSHOT_PARAMS if key["twoshot"] else ONESHOT_PARAMS
     params, cluster = entry.get("params", ()), list(entry.get("cluster", ()))
     if len(params) != want or cluster != [7, 1, 1] or int(manifest["H"]) != HIDDEN:
-        raise ValueError(f"cubin {entry['cubin']} ({cute_manifest.describe(key)}) does not follow cute/ABI.md: "
-                         f"expected {want} params, cluster [7, 1, 1], H {HIDDEN}; got {len(params)} params, "
-                         f"cluster {cluster}, H {manifest['H']}; rebuild it with `{_key_build_command(key, build)}`")
-    return _Kernel(str(cute_manifest.cubin_path(manifest, entry)), entry["entry"], int(entry["dynamic_smem_bytes"]),
-                   int(entry["block"][0]))
+        raise ValueError(
+            f"cubin {entry['cubin']} ({cute_manifest.describe(key)}) does not follow cute/ABI.md: "
+            f"expected {want} params, cluster [7, 1, 1], H {HIDDEN}; got {len(params)} params, "
+            f"cluster {cluster}, H {manifest['H']}; rebuild it with `{_key_build_command(key, build)}`"
+        )
+    path = cute_manifest.verified_cubin_path(manifest, entry, _key_build_command(key, build))  # sha256, once
+    return _Kernel(str(path), entry["entry"], int(entry["dynamic_smem_bytes"]), int(entry["block"][0]))
 
 
 # ---- registry interface --------------------------------------------------------------------
@@ -158,19 +167,26 @@ def unavailable_reason(platform: str) -> str | None:
     parsed, where = _manifest()
     if parsed is None:
         return f"no CuTe cubins/manifest found ({where}); `{BUILD_COMMAND}` builds cubins and library (no GPU needed)"
-    return None
+    return cute_manifest.stale_reason(parsed[0])  # built from other kernel sources: names the rebuild
 
 
-def unsupported_reason(dims: Dims, *, has_delta: bool = True, groups: int = 4, xmoe_replicas: int = 0,
-                       twoshot: bool = False, ready: bool = True, **_) -> str | None:
+def unsupported_reason(
+    dims: Dims,
+    *,
+    has_delta: bool = DEFAULTS.has_delta,
+    groups: int = DEFAULTS.groups,
+    xmoe_replicas: int = DEFAULTS.xmoe_replicas,
+    twoshot: bool = False,
+    ready: bool = True,
+    **_,
+) -> str | None:
     """Why the cute backend cannot run this call, or None. ready: the registry's ready mode
     (an XLA-produced mailbox); consume/consume_twoshot run the polling protocol."""
     if dims.H != HIDDEN:
         return f"the CuTe cubins are built for H = {HIDDEN} only, got H = {dims.H}"
     if dims.T > MAX_TOKENS:
         return f"T = {dims.T} tokens exceeds the launch grid's y limit {MAX_TOKENS}"
-    key = kernel_key(dims.R, dims.NB, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas,
-                     twoshot=twoshot)
+    key = kernel_key(dims.R, dims.NB, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas, twoshot=twoshot)
     try:
         _kernel(key, dims.T, ready)
     except ValueError as err:
@@ -209,17 +225,25 @@ def consumer(
     reason = unsupported_reason(dims, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas)
     if reason:
         raise ValueError(f"backend 'cute' cannot run this call: {reason}")
-    kernel = _kernel(kernel_key(dims.R, dims.NB, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas,
-                                twoshot=False), dims.T, True)
+    kernel = _kernel(
+        kernel_key(dims.R, dims.NB, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas, twoshot=False),
+        dims.T,
+        True,
+    )
     ffi.register_targets()
     T, H = prefix.shape
-    out_types = [jax.ShapeDtypeStruct((T, H), jnp.bfloat16), jax.ShapeDtypeStruct((T, H), jnp.bfloat16),
-                 jax.ShapeDtypeStruct((xmoe_replicas, T, H), jnp.bfloat16), jax.ShapeDtypeStruct((2,), jnp.uint32)]
+    out_types = [
+        jax.ShapeDtypeStruct((T, H), jnp.bfloat16),
+        jax.ShapeDtypeStruct((T, H), jnp.bfloat16),
+        jax.ShapeDtypeStruct((xmoe_replicas, T, H), jnp.bfloat16),
+        jax.ShapeDtypeStruct((2,), jnp.uint32),
+    ]
     # jax.vmap runs one kernel call per batch element (the kernel has no batch dimension).
     target = ffi.READY_TARGET if T <= RECORD_MAX_T else ffi.READY_TRACED_TARGET
     call = jax.ffi.ffi_call(target, out_types, input_output_aliases={1: 0}, vmap_method="sequential")
-    new_prefix, output, xmoe, _ = call(mailbox, prefix, blocks, norm, query, out_norm,
-                                       **_attributes(kernel, eps, out_eps, READY_SPIN_LIMIT, True))
+    new_prefix, output, xmoe, _ = call(
+        mailbox, prefix, blocks, norm, query, out_norm, **_attributes(kernel, eps, out_eps, READY_SPIN_LIMIT, True)
+    )
     return ConsumerResult(new_prefix, output, xmoe if xmoe_replicas else None)
 
 
@@ -253,16 +277,29 @@ def _check_spin_limit(spin_limit: Any) -> int:
 
 
 def _attributes(kernel: _Kernel, eps, out_eps, spin_limit, pdl) -> dict:
-    return dict(cubin=kernel.cubin, entry=kernel.entry, smem=np.int64(kernel.smem), block=np.int64(kernel.block),
-                eps=np.float32(eps), out_eps=np.float32(out_eps), spin_limit=np.int32(spin_limit), pdl=bool(pdl))
+    return dict(
+        cubin=kernel.cubin,
+        entry=kernel.entry,
+        smem=np.int64(kernel.smem),
+        block=np.int64(kernel.block),
+        eps=np.float32(eps),
+        out_eps=np.float32(out_eps),
+        spin_limit=np.int32(spin_limit),
+        pdl=bool(pdl),
+    )
 
 
 def _out_types(slots, prefix, xmoe_replicas, hints, status):
     T, H = prefix.shape
     bf16 = jnp.bfloat16
-    return [jax.ShapeDtypeStruct(slots.shape, bf16), jax.ShapeDtypeStruct((T, H), bf16),
-            jax.ShapeDtypeStruct((T, H), bf16), jax.ShapeDtypeStruct((xmoe_replicas, T, H), bf16),
-            jax.ShapeDtypeStruct(hints.shape, hints.dtype), jax.ShapeDtypeStruct(status.shape, status.dtype)]
+    return [
+        jax.ShapeDtypeStruct(slots.shape, bf16),
+        jax.ShapeDtypeStruct((T, H), bf16),
+        jax.ShapeDtypeStruct((T, H), bf16),
+        jax.ShapeDtypeStruct((xmoe_replicas, T, H), bf16),
+        jax.ShapeDtypeStruct(hints.shape, hints.dtype),
+        jax.ShapeDtypeStruct(status.shape, status.dtype),
+    ]
 
 
 # operand -> result: mailbox, prefix, hints, status are updated in place
@@ -277,11 +314,11 @@ def consume(
     query,  # [H] bf16
     out_norm,  # [H] bf16
     *,
-    eps: float = 1e-6,
-    out_eps: float = 1e-6,
-    has_delta: bool = True,
-    groups: int = 4,
-    xmoe_replicas: int = 0,
+    eps: float = DEFAULTS.eps,
+    out_eps: float = DEFAULTS.out_eps,
+    has_delta: bool = DEFAULTS.has_delta,
+    groups: int = DEFAULTS.groups,
+    xmoe_replicas: int = DEFAULTS.xmoe_replicas,
     published: bool = False,
     spin_limit: int = DEFAULT_SPIN_LIMIT,
     hints=None,  # [1] u32 or None (zeros)
@@ -293,24 +330,49 @@ def consume(
     `published=True`: the mailbox holds no -0.0 except in slots that are still to be published
     (e.g. by a producer on another stream): nothing is done to it before the kernel polls it.
     """
-    dims = check_arguments(mailbox, prefix, blocks, norm, query, out_norm, eps=eps, out_eps=out_eps,
-                           has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas)
+    dims = check_arguments(
+        mailbox,
+        prefix,
+        blocks,
+        norm,
+        query,
+        out_norm,
+        eps=eps,
+        out_eps=out_eps,
+        has_delta=has_delta,
+        groups=groups,
+        xmoe_replicas=xmoe_replicas,
+    )
     spin_limit = _check_spin_limit(spin_limit)
     _check_concrete_platform(mailbox, prefix, blocks)
-    reason = unsupported_reason(dims, has_delta=bool(has_delta), groups=groups, xmoe_replicas=xmoe_replicas,
-                                ready=False)
+    reason = unsupported_reason(
+        dims, has_delta=bool(has_delta), groups=groups, xmoe_replicas=xmoe_replicas, ready=False
+    )
     if reason:
         raise ValueError(f"backend 'cute' cannot run this call: {reason}")
-    kernel = _kernel(kernel_key(dims.R, dims.NB, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas,
-                                twoshot=False), dims.T, False)
+    kernel = _kernel(
+        kernel_key(dims.R, dims.NB, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas, twoshot=False),
+        dims.T,
+        False,
+    )
     hints, status = _flags(hints, status)
     if not published:
         mailbox = without_negative_zero(mailbox)
     ffi.register_targets()
-    call = jax.ffi.ffi_call(ffi.ONESHOT_TARGET, _out_types(mailbox, prefix, xmoe_replicas, hints, status),
-                            input_output_aliases=_ALIASES)
-    out = call(mailbox, prefix, blocks, norm, query, out_norm, hints, status,
-               **_attributes(kernel, eps, out_eps, spin_limit, pdl))
+    call = jax.ffi.ffi_call(
+        ffi.ONESHOT_TARGET, _out_types(mailbox, prefix, xmoe_replicas, hints, status), input_output_aliases=_ALIASES
+    )
+    out = call(
+        mailbox,
+        prefix,
+        blocks,
+        norm,
+        query,
+        out_norm,
+        hints,
+        status,
+        **_attributes(kernel, eps, out_eps, spin_limit, pdl),
+    )
     new_mailbox, new_prefix, output, xmoe, hints, status = out
     return CuteResult(new_prefix, output, xmoe if xmoe_replicas else None, new_mailbox, hints, status)
 
@@ -325,11 +387,11 @@ def consume_twoshot(
     out_norm,  # [H] bf16
     *,
     me: int,
-    eps: float = 1e-6,
-    out_eps: float = 1e-6,
-    has_delta: bool = True,
-    groups: int = 1,
-    xmoe_replicas: int = 0,
+    eps: float = DEFAULTS.eps,
+    out_eps: float = DEFAULTS.out_eps,
+    has_delta: bool = DEFAULTS.has_delta,
+    groups: int = 1,  # the gather row is one slot: nothing to order
+    xmoe_replicas: int = DEFAULTS.xmoe_replicas,
     published: bool = False,
     spin_limit: int = DEFAULT_SPIN_LIMIT,
     hints=None,
@@ -341,23 +403,41 @@ def consume_twoshot(
     `me` (static int) owns columns [me*H/R, (me+1)*H/R). On one GPU the gather target is the
     gather row itself; the other ranks' columns must already be (or later get) published there.
     """
-    dims = check_arguments(gather, prefix, blocks, norm, query, out_norm, eps=eps, out_eps=out_eps,
-                           has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas)
+    dims = check_arguments(
+        gather,
+        prefix,
+        blocks,
+        norm,
+        query,
+        out_norm,
+        eps=eps,
+        out_eps=out_eps,
+        has_delta=has_delta,
+        groups=groups,
+        xmoe_replicas=xmoe_replicas,
+    )
     if dims.R != 1:
         raise ValueError(f"gather: expected the one-slot gather row [1, T, H], got shape {tuple(gather.shape)}")
     if not hasattr(recv, "shape") or jnp.dtype(recv.dtype) != jnp.bfloat16 or len(recv.shape) != 3:
         raise TypeError(f"recv: expected a bf16 array [R, T, H/R], got {getattr(recv, 'shape', type(recv))}")
     R, T, cols = (int(d) for d in recv.shape)
     if T != dims.T or R < 1 or R * cols != dims.H:
-        raise ValueError(f"recv: expected shape [R, T, H/R] with T={dims.T}, R*H/R = H = {dims.H}, "
-                         f"got {tuple(recv.shape)}")
+        raise ValueError(
+            f"recv: expected shape [R, T, H/R] with T={dims.T}, R*H/R = H = {dims.H}, got {tuple(recv.shape)}"
+        )
     if isinstance(me, bool) or not isinstance(me, (int, np.integer)) or not 0 <= me < R:
         raise ValueError(f"me: expected a static int with 0 <= me < R = {R}, got {me!r}")
     spin_limit = _check_spin_limit(spin_limit)
     _check_concrete_platform(recv, gather, prefix)
     key = kernel_key(R, dims.NB, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas, twoshot=True)
-    reason = unsupported_reason(Dims(R, dims.T, dims.NB, dims.H), has_delta=bool(has_delta), groups=groups,
-                                xmoe_replicas=xmoe_replicas, twoshot=True, ready=False)
+    reason = unsupported_reason(
+        Dims(R, dims.T, dims.NB, dims.H),
+        has_delta=bool(has_delta),
+        groups=groups,
+        xmoe_replicas=xmoe_replicas,
+        twoshot=True,
+        ready=False,
+    )
     if reason:
         raise ValueError(f"backend 'cute' cannot run this call: {reason}")
     kernel = _kernel(key, dims.T, False)
@@ -365,10 +445,23 @@ def consume_twoshot(
     if not published:
         recv, gather = without_negative_zero(recv), without_negative_zero(gather)
     ffi.register_targets()
-    out_types = _out_types(gather, prefix, xmoe_replicas, hints, status) + [jax.ShapeDtypeStruct(recv.shape, recv.dtype)]
+    out_types = _out_types(gather, prefix, xmoe_replicas, hints, status) + [
+        jax.ShapeDtypeStruct(recv.shape, recv.dtype)
+    ]
     call = jax.ffi.ffi_call(ffi.TWOSHOT_TARGET, out_types, input_output_aliases={**_ALIASES, 8: 6})
-    out = call(gather, prefix, blocks, norm, query, out_norm, hints, status, recv,
-               **_attributes(kernel, eps, out_eps, spin_limit, pdl), me=np.int32(me))
+    out = call(
+        gather,
+        prefix,
+        blocks,
+        norm,
+        query,
+        out_norm,
+        hints,
+        status,
+        recv,
+        **_attributes(kernel, eps, out_eps, spin_limit, pdl),
+        me=np.int32(me),
+    )
     new_gather, new_prefix, output, xmoe, hints, status, new_recv = out
     return CuteTwoshotResult(new_prefix, output, xmoe if xmoe_replicas else None, new_gather, new_recv, hints, status)
 
@@ -381,5 +474,7 @@ def check_status(status) -> None:
     code = int(np.asarray(status).reshape(-1)[0])
     if code != 0:
         what = _STATUS.get(code, "unknown code")
-        raise RuntimeError(f"CuTe consumer: polling gave up (status {code}: {what}): a slot was not published "
-                           "within spin_limit polling rounds; the outputs of that call are not valid")
+        raise RuntimeError(
+            f"CuTe consumer: polling gave up (status {code}: {what}): a slot was not published "
+            "within spin_limit polling rounds; the outputs of that call are not valid"
+        )

@@ -1,0 +1,87 @@
+"""The consumer's options, their defaults and their checks: the one place for all three.
+
+    Options(eps=1e-6, out_eps=1e-6, has_delta=True, groups=4, xmoe_replicas=0)
+
+An `Options` is checked when it is made (TypeError or ValueError naming the option) and holds
+plain Python scalars (a float eps, a bool has_delta, int groups): static for every backend and
+hashable, so it can key a cache of compiled layouts. `DEFAULTS` is the default instance; every
+signature that spells the options out takes its defaults from it (docs/spec.md, "Options").
+
+No JAX and no torch here: oproj_jax.torch_ref uses it too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+MAX_GROUPS = 4  # the summation order has at most four groups (docs/spec.md, "Summation order")
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        span = f"{lo} <= {name} <= {hi}" if hi is not None else f"{name} >= {lo}"
+        raise ValueError(f"{name}: expected {span}, got {value}")
+    return int(value)
+
+
+def _check_eps(name: str, value: Any) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a Python float (a static epsilon), got {type(value).__name__}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name}: expected a finite epsilon >= 0, got {value}")
+    return float(value)
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+    return bool(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The consumer's static options (see oproj_jax.consumer's docstring for their meaning)."""
+
+    eps: float = 1e-6  # epsilon of the key RMSNorm inside AttnRes, finite >= 0
+    out_eps: float = 1e-6  # epsilon of the output RMSNorm, finite >= 0
+    has_delta: bool = True  # new prefix = old prefix + rank sum; False: the rank sum replaces it
+    groups: int = 4  # 1..MAX_GROUPS: the summation order of the mailbox slots
+    xmoe_replicas: int = 0  # >= 0: copies of the output returned in `xmoe`
+
+    def __post_init__(self):
+        # Checked in this order (the order of oproj_jax.consumer's keywords); a bool is refused
+        # before it could be taken for an int, and the stored values are plain Python scalars.
+        checked = dict(
+            eps=_check_eps("eps", self.eps),
+            out_eps=_check_eps("out_eps", self.out_eps),
+            has_delta=_check_bool("has_delta", self.has_delta),
+            groups=_check_int("groups", self.groups, 1, MAX_GROUPS),
+            xmoe_replicas=_check_int("xmoe_replicas", self.xmoe_replicas, 0),
+        )
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def from_kwargs(cls, options: Mapping[str, Any]) -> Options:
+        """Options from keyword arguments, the missing ones at their defaults; an unknown name
+        raises TypeError."""
+        unknown = sorted(set(options) - set(NAMES))
+        if unknown:
+            raise TypeError(f"unexpected option(s) {unknown}; expected some of {sorted(NAMES)}")
+        return cls(**options)
+
+    def asdict(self) -> dict[str, Any]:
+        """The options as keyword arguments (of oproj_jax.consumer or any backend's consumer)."""
+        return {name: getattr(self, name) for name in NAMES}
+
+
+NAMES = tuple(field.name for field in dataclasses.fields(Options))
+DEFAULTS = Options()
