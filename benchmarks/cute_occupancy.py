@@ -35,8 +35,10 @@ def occupancy(directory, key: dict, build: M.Build) -> dict:
     attr = cu.CUfunction_attribute
     regs = check(cu.cuFuncGetAttribute(attr.CU_FUNC_ATTRIBUTE_NUM_REGS, kernel.fn), "cuFuncGetAttribute")
     local = check(cu.cuFuncGetAttribute(attr.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, kernel.fn), "cuFuncGetAttribute")
-    per_sm = check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(kernel.fn, threads, smem),
-                   "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+    per_sm = check(
+        cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(kernel.fn, threads, smem),
+        "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+    )
     config = cu.CUlaunchConfig()
     config.gridDimX, config.gridDimY, config.gridDimZ = 7, 4096, 1
     config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
@@ -48,16 +50,26 @@ def occupancy(directory, key: dict, build: M.Build) -> dict:
     config.numAttrs = 1
     clusters = check(cu.cuOccupancyMaxActiveClusters(kernel.fn, config), "cuOccupancyMaxActiveClusters")
     check(cu.cuModuleUnload(kernel.module), "cuModuleUnload")
-    return dict(dir=str(directory), build=build.tag, variant=M.describe(key), regs=regs, local_bytes=local,
-                threads=threads, dynamic_smem=smem, ctas_per_sm=per_sm, active_clusters=clusters)
+    return dict(
+        dir=str(directory),
+        build=build.tag,
+        variant=M.describe(key),
+        regs=regs,
+        local_bytes=local,
+        threads=threads,
+        dynamic_smem=smem,
+        ctas_per_sm=per_sm,
+        active_clusters=clusters,
+    )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dirs", nargs="*")
     parser.add_argument("--key", default="16,8,1,4,0,0", help="R,NB,has_delta,groups,reps,twoshot")
-    parser.add_argument("--builds", default=",".join(b.tag for b in M.BUILDS),
-                        help="the builds to report (default: %(default)s)")
+    parser.add_argument(
+        "--builds", default=",".join(b.tag for b in M.BUILDS), help="the builds to report (default: %(default)s)"
+    )
     args = parser.parse_args()
     R, NB, delta, groups, reps, twoshot = (int(v) for v in args.key.split(","))
     key = M.make_key(R, NB, bool(delta), groups, reps, bool(twoshot))

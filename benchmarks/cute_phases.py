@@ -32,8 +32,15 @@ def build(directory: str) -> None:
     with open(os.path.join(directory, "trace.cubin"), "wb") as f:
         f.write(info["cubin_bytes"])
     # the trace layout travels with the cubin: the GPU machine has no DSL to import kernel.py
-    meta = dict(entry=info["entry"], smem=info["dynamic_smem_bytes"], block=info["block"][0], key=KEY,
-                ctas=K.CTAS, slots=K.TRACE_SLOTS, marks=list(K.TRACE_MARKS))
+    meta = dict(
+        entry=info["entry"],
+        smem=info["dynamic_smem_bytes"],
+        block=info["block"][0],
+        key=KEY,
+        ctas=K.CTAS,
+        slots=K.TRACE_SLOTS,
+        marks=list(K.TRACE_MARKS),
+    )
     with open(os.path.join(directory, "trace.json"), "w") as f:
         json.dump(meta, f)
     print(f"trace cubin -> {directory}/trace.cubin ({len(info['cubin_bytes'])} bytes)")
@@ -56,8 +63,10 @@ def sm_clock_ghz() -> float:
 
     check(cu.cuInit(0), "cuInit")
     device = check(cu.cuDeviceGet(0), "cuDeviceGet")
-    khz = check(cu.cuDeviceGetAttribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CLOCK_RATE, device),
-                "cuDeviceGetAttribute(CLOCK_RATE)")
+    khz = check(
+        cu.cuDeviceGetAttribute(cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CLOCK_RATE, device),
+        "cuDeviceGetAttribute(CLOCK_RATE)",
+    )
     return khz / 1e6
 
 
@@ -77,8 +86,13 @@ def run(directory: str, tokens, launches: int) -> list[dict]:
         R, NB, H = KEY["R"], KEY["NB"], 7168
         per_set = (R + NB + 1) * T * H * 2
         n_sets = max(2, min(launches, -(-64 * 2**20 // per_set)))  # > the 50 MB L2 in all
-        sets = [(torch.randn(R, T, H, device="cuda").to(torch.bfloat16), torch.randn(T, NB, H, device="cuda").to(torch.bfloat16))
-                for _ in range(n_sets)]
+        sets = [
+            (
+                torch.randn(R, T, H, device="cuda").to(torch.bfloat16),
+                torch.randn(T, NB, H, device="cuda").to(torch.bfloat16),
+            )
+            for _ in range(n_sets)
+        ]
         prefix = torch.randn(T, H, device="cuda").to(torch.bfloat16)
         weights = [(1 + 0.1 * torch.randn(H, device="cuda")).to(torch.bfloat16) for _ in range(3)]
         output = torch.empty(T, H, device="cuda", dtype=torch.bfloat16)
@@ -87,15 +101,25 @@ def run(directory: str, tokens, launches: int) -> list[dict]:
         trace = torch.zeros(T * ctas * slots, device="cuda", dtype=torch.int64)
         for i in range(launches):
             mailbox, blocks = sets[i % n_sets]
-            pointers = [mailbox.data_ptr(), prefix.data_ptr(), blocks.data_ptr(), *(w.data_ptr() for w in weights),
-                        output.data_ptr(), xmoe.data_ptr(), hints.data_ptr(), trace.data_ptr()]
+            pointers = [
+                mailbox.data_ptr(),
+                prefix.data_ptr(),
+                blocks.data_ptr(),
+                *(w.data_ptr() for w in weights),
+                output.data_ptr(),
+                xmoe.data_ptr(),
+                hints.data_ptr(),
+                trace.data_ptr(),
+            ]
             launch(T, pointers, 1e-6, 1e-6, -1)  # spin_limit < 0: ready mode, as through XLA
         torch.cuda.synchronize()
         stamps = trace.view(T * ctas, slots).cpu().tolist()
         table = phase_table(stamps, marks, slots)
-        print(f"T={T}: CTA entry->stored median {table['cta_cycles']} cycles ({table['cta_cycles'] / ghz:.0f} ns at "
-              f"{ghz:.2f} GHz), kernel span {table['span_ns']} ns (%globaltimer; last of {launches} launches, "
-              f"{n_sets} input sets)")
+        print(
+            f"T={T}: CTA entry->stored median {table['cta_cycles']} cycles ({table['cta_cycles'] / ghz:.0f} ns at "
+            f"{ghz:.2f} GHz), kernel span {table['span_ns']} ns (%globaltimer; last of {launches} launches, "
+            f"{n_sets} input sets)"
+        )
         for name, (median, worst) in table["marks"].items():
             print(f"  {name:15s} {median:7.0f} cycles {median / ghz:7.0f} ns  (max {worst / ghz:7.0f} ns)")
         results.append(dict(T=T, sm_clock_ghz=ghz, **table))

@@ -70,11 +70,13 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", default="1,8,64")
     parser.add_argument("--warm-tokens", default="1")
     parser.add_argument("--reps", type=int, default=15)
-    parser.add_argument("--registration", default="record", choices=("record", "traced", "direct"),
-                        help="how the cute targets meet XLA's command buffers (oproj_jax.cute.ffi.REGISTRATION)")
+    parser.add_argument(
+        "--registration",
+        default="record",
+        choices=("record", "traced", "direct"),
+        help="how the cute targets meet XLA's command buffers (oproj_jax.cute.ffi.REGISTRATION)",
+    )
     args = parser.parse_args(argv)
-
-    import jax
 
     from oproj_jax.cute import ffi
 
@@ -106,22 +108,36 @@ def main(argv=None) -> int:
                     for _ in range(3):
                         slopes.append(timing.slope(fn1, fn2, pool.args, k1, k2, args.reps)[0])
                         piped.append(timing.slope(fn1, fn2, pool.args, k1, k2, args.reps, pipelined=8)[0])
-                    record = dict(label=args.label, env=env, backend=backend, T=T, warm=warm, k1=k1, k2=k2,
-                                  slopes_us=slopes, us=statistics.median(slopes), pipelined_slopes_us=piped,
-                                  us_pipelined=statistics.median(piped))
+                    record = dict(
+                        label=args.label,
+                        env=env,
+                        backend=backend,
+                        T=T,
+                        warm=warm,
+                        k1=k1,
+                        k2=k2,
+                        slopes_us=slopes,
+                        us=statistics.median(slopes),
+                        pipelined_slopes_us=piped,
+                        us_pipelined=statistics.median(piped),
+                    )
                     if not warm:
                         record["timeline"] = timeline(fn2, pool.args(3), kernel_names[backend])
                 except Exception as err:  # a diagnostic: record and go on
-                    record = dict(label=args.label, backend=backend, T=T, warm=warm,
-                                  error=f"{type(err).__name__}: {err}"[:1500])
+                    record = dict(
+                        label=args.label, backend=backend, T=T, warm=warm, error=f"{type(err).__name__}: {err}"[:1500]
+                    )
                 records.append(record)
                 t = record.get("timeline", {})
-                print(f"{args.label:14s} {backend:9s} T={T:4d} {'warm' if warm else 'cold'} "
-                      f"slope {record.get('us', float('nan')):7.2f} us  pipelined {record.get('us_pipelined', float('nan')):7.2f}  "
-                      f"kernel {t.get('kernel_us_median') or float('nan'):6.2f}  "
-                      f"gap {t.get('gap_us_median') or float('nan'):6.2f}  "
-                      f"span/call {(t.get('device_span_us') or float('nan')) / k2:6.2f}"
-                      + (f"  ERROR {record['error'][:200]}" if "error" in record else ""), flush=True)
+                print(
+                    f"{args.label:14s} {backend:9s} T={T:4d} {'warm' if warm else 'cold'} "
+                    f"slope {record.get('us', float('nan')):7.2f} us  pipelined {record.get('us_pipelined', float('nan')):7.2f}  "
+                    f"kernel {t.get('kernel_us_median') or float('nan'):6.2f}  "
+                    f"gap {t.get('gap_us_median') or float('nan'):6.2f}  "
+                    f"span/call {(t.get('device_span_us') or float('nan')) / k2:6.2f}"
+                    + (f"  ERROR {record['error'][:200]}" if "error" in record else ""),
+                    flush=True,
+                )
             del pool
     with open(args.out, "w") as f:
         json.dump(records, f, indent=1)

@@ -43,8 +43,10 @@ def phase_table(trace: dict) -> dict:
                 begin = stack.pop()
                 durations.setdefault(begin["name"], []).append(e["ts"] - begin["ts"])
                 starts.setdefault(begin["name"], []).append(begin["ts"] - t0)
-    phases = {name: dict(median_us=statistics.median(d), max_us=max(d), start_us=statistics.median(starts[name]))
-              for name, d in durations.items()}
+    phases = {
+        name: dict(median_us=statistics.median(d), max_us=max(d), start_us=statistics.median(starts[name]))
+        for name, d in durations.items()
+    }
     stamps = [e["ts"] for e in trace["traceEvents"]]
     return dict(phases=phases, cta_us=statistics.median(cta), span_us=max(stamps) - min(stamps))
 
@@ -52,7 +54,9 @@ def phase_table(trace: dict) -> dict:
 def format_table(T: int, variant: dict, table: dict) -> str:
     lines = [f"T={T} {variant}: CTA median {table['cta_us']:.2f} us, kernel span {table['span_us']:.2f} us"]
     for name, p in sorted(table["phases"].items(), key=lambda kv: kv[1]["start_us"]):
-        lines.append(f"  {name:16s} starts {p['start_us']:6.2f}  takes {p['median_us']:6.2f} (max {p['max_us']:6.2f}) us")
+        lines.append(
+            f"  {name:16s} starts {p['start_us']:6.2f}  takes {p['median_us']:6.2f} (max {p['max_us']:6.2f}) us"
+        )
     return "\n".join(lines)
 
 
@@ -69,11 +73,15 @@ def main():
     args = ap.parse_args()
     results = []
     for T in args.tokens:
-        variant = (pallas_smoke.parse_variant(args.variant) if args.variant
-                   else pallas_consumer.choose_split(T, 7168, interpret=False))
+        variant = (
+            pallas_smoke.parse_variant(args.variant)
+            if args.variant
+            else pallas_consumer.choose_split(T, 7168, interpret=False)
+        )
         p0, mb, bl, (n, q, on) = pallas_smoke.random_inputs(jax.random.key(T), T, 1)
-        call = lambda **kw: pallas_consumer.consumer_with(mb[0], p0, bl[0], n, q, on, has_delta=True, groups=4,
-                                                          xmoe_replicas=0, **pallas_smoke.EPS, **variant, **kw)
+        call = lambda **kw: pallas_consumer.consumer_with(
+            mb[0], p0, bl[0], n, q, on, has_delta=True, groups=4, xmoe_replicas=0, **pallas_smoke.EPS, **variant, **kw
+        )
         for _ in range(3):
             jax.block_until_ready(call())
         with tempfile.TemporaryDirectory() as tmp:

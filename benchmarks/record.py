@@ -27,8 +27,12 @@ def bench(args: list[str], timeout: float) -> tuple[list[dict], str]:
     """Runs `python -m oproj_jax.bench ARGS --json F` in a fresh process; (records, log)."""
     path = f"/tmp/oproj_record_{os.getpid()}_{time.monotonic_ns()}.json"
     try:
-        done = subprocess.run([sys.executable, "-m", "oproj_jax.bench", *args, "--json", path],
-                              capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(
+            [sys.executable, "-m", "oproj_jax.bench", *args, "--json", path],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         log = done.stdout + done.stderr
     except subprocess.TimeoutExpired as err:
         log = f"timed out after {timeout} s: {err.stdout or ''}{err.stderr or ''}"
@@ -50,13 +54,27 @@ def merge(runs: list[list[dict]]) -> list[dict]:
     for (backend, T), rs in sorted(by_key.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         kernels = [r["us_kernels"] for r in rs if r.get("us_kernels") is not None]
         first = rs[0]
-        merged.append(dict(
-            kind="timing", record=True, backend=backend, T=T, R=first["R"], NB=first["NB"], groups=first["groups"],
-            has_delta=first["has_delta"], us=statistics.median(r["us"] for r in rs), us_runs=[r["us"] for r in rs],
-            us_kernels=statistics.median(kernels) if kernels else None, noise_us=[r.get("noise_us") for r in rs],
-            device=first["device"], date=first["date"], bytes=first.get("bytes"),
-            method=f"median over {len(rs)} processes of: {first['method']}; us_kernels: the profiler's kernel time "
-                   "per call in the chain"))
+        merged.append(
+            dict(
+                kind="timing",
+                record=True,
+                backend=backend,
+                T=T,
+                R=first["R"],
+                NB=first["NB"],
+                groups=first["groups"],
+                has_delta=first["has_delta"],
+                us=statistics.median(r["us"] for r in rs),
+                us_runs=[r["us"] for r in rs],
+                us_kernels=statistics.median(kernels) if kernels else None,
+                noise_us=[r.get("noise_us") for r in rs],
+                device=first["device"],
+                date=first["date"],
+                bytes=first.get("bytes"),
+                method=f"median over {len(rs)} processes of: {first['method']}; us_kernels: the profiler's kernel time "
+                "per call in the chain",
+            )
+        )
     return merged
 
 
@@ -79,15 +97,24 @@ def main(argv=None) -> int:
         runs.append(records)
         logs[f"process {i}"] = log[-6000:]
         print(f"process {i}: {sum(r.get('kind') == 'timing' for r in records)} timings", flush=True)
-    decode, log = ([], "") if not args.decode_tokens else bench(
-        ["--decode-step", "--backends", args.backends, "--tokens", args.decode_tokens, "--reps", "30"], args.timeout)
+    decode, log = (
+        ([], "")
+        if not args.decode_tokens
+        else bench(
+            ["--decode-step", "--backends", args.backends, "--tokens", args.decode_tokens, "--reps", "30"], args.timeout
+        )
+    )
     logs["decode step"] = log[-6000:]
     for r in decode:
         if r.get("kind") == "decode_step":
             r["record"] = True
     header = next((r for r in runs[0] if r.get("kind") == "header"), {"kind": "header"})
-    records = [header, *merge(runs), *(r for r in decode if r.get("kind") == "decode_step"),
-               *(r for rs in runs for r in rs if r.get("kind") in ("error", "copy"))]
+    records = [
+        header,
+        *merge(runs),
+        *(r for r in decode if r.get("kind") == "decode_step"),
+        *(r for rs in runs for r in rs if r.get("kind") in ("error", "copy")),
+    ]
     device = "".join(c if c.isalnum() else "-" for c in str(header.get("device", "gpu")).lower()).strip("-")
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     path = os.path.join(args.out_dir, f"{date}-{device}-{args.name}.json")
@@ -98,11 +125,15 @@ def main(argv=None) -> int:
     for r in records:
         if r.get("kind") == "timing":
             runs_text = "/".join(f"{u:.2f}" for u in r["us_runs"])
-            print(f"{r['backend']:10s} {r['T']:5d} {r['us']:12.2f}  {runs_text:24s} "
-                  f"{r['us_kernels'] if r['us_kernels'] is None else round(r['us_kernels'], 2)!s:>10s}")
+            print(
+                f"{r['backend']:10s} {r['T']:5d} {r['us']:12.2f}  {runs_text:24s} "
+                f"{r['us_kernels'] if r['us_kernels'] is None else round(r['us_kernels'], 2)!s:>10s}"
+            )
         elif r.get("kind") == "decode_step":
-            print(f"decode {r['backend']:9s} {r['loop']:8s} T={r['T']:4d} {r['us_step']:9.1f} us/step, "
-                  f"consumer {r['us_consumer_per_layer']:6.2f} us/layer")
+            print(
+                f"decode {r['backend']:9s} {r['loop']:8s} T={r['T']:4d} {r['us_step']:9.1f} us/step, "
+                f"consumer {r['us_consumer_per_layer']:6.2f} us/layer"
+            )
     return 0
 
 

@@ -35,8 +35,11 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=20, help="timed executions per chain length")
     parser.add_argument("--no-checks", action="store_true")
     parser.add_argument("--no-timings", action="store_true")
-    parser.add_argument("--no-reference-timing", action="store_true",
-                        help="time the kernels only (variant sweeps; speedups are then left out)")
+    parser.add_argument(
+        "--no-reference-timing",
+        action="store_true",
+        help="time the kernels only (variant sweeps; speedups are then left out)",
+    )
     parser.add_argument("--no-profile", action="store_true", help="skip the profiler cross-check")
     parser.add_argument("--check-max-t", type=int, default=None, help="only checks with T <= this (partial runs)")
     parser.add_argument("--tokens", default=None, help="comma-separated subset of the BENCH token counts")
@@ -66,8 +69,11 @@ def main(argv=None) -> int:
         return 2
     runnable = [b for b in chosen if status[b] is None]
     kernels = [b for b in runnable if b not in ("reference", *bench_backends.TORCH_PROCESS)]
-    timed = (([] if args.no_reference_timing else ["reference"]) + kernels
-             + [b for b in bench_backends.TORCH_PROCESS if b in runnable])
+    timed = (
+        ([] if args.no_reference_timing else ["reference"])
+        + kernels
+        + [b for b in bench_backends.TORCH_PROCESS if b in runnable]
+    )
 
     check_configs = [c for c in configs.GPU_CHECKS if args.check_max_t is None or c.T <= args.check_max_t]
     tokens = {int(t) for t in args.tokens.split(",")} if args.tokens else set(configs.BENCH_T)
@@ -75,8 +81,15 @@ def main(argv=None) -> int:
     seed = args.seed if args.seed is not None else int(time.time()) % 2**31
     profile = not args.no_profile and platform == "gpu"
 
-    records = [runner.header(seed, status, script="benchmarks/run_h200.py", argv=sys.argv[1:] if argv is None else argv,
-                             xla_mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"))]
+    records = [
+        runner.header(
+            seed,
+            status,
+            script="benchmarks/run_h200.py",
+            argv=sys.argv[1:] if argv is None else argv,
+            xla_mem_fraction=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
+        )
+    ]
     wanted_cases = ([] if args.no_checks else check_configs) + ([] if args.no_timings else bench_configs)
     cases = bench_inputs.HostCases(wanted_cases, seed, workers=args.workers)
     try:

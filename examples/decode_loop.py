@@ -90,8 +90,17 @@ def build_decode(args, mesh):
         attn = jnp.tanh(jnp.dot(x, params["w_in"][l], preferred_element_type=f32)).astype(bf16)  # [T, K]
         attn = jax.lax.with_sharding_constraint(attn, attn_sharding)  # each rank: its heads
         result = tp_oproj_consumer(
-            attn, params["w_o"][l], prefix, blocks, params["norm"][l], params["query"][l], params["out_norm"][l],
-            mesh=mesh, mode=args.mode, backend=args.backend, has_delta=l % lpb != 0,
+            attn,
+            params["w_o"][l],
+            prefix,
+            blocks,
+            params["norm"][l],
+            params["query"][l],
+            params["out_norm"][l],
+            mesh=mesh,
+            mode=args.mode,
+            backend=args.backend,
+            has_delta=l % lpb != 0,
             groups=4 if args.mode == "oneshot" else 1,
         )
         prefix, x = result.prefix, result.output
@@ -117,8 +126,10 @@ def main() -> int:
     devices = pick_devices(args.devices)
     mesh = Mesh(np.array(devices), ("tp",))
     K = args.heads * args.head_dim
-    print(f"mesh: {RANKS} x {devices[0].platform} devices; T={args.tokens} H={args.hidden} "
-          f"heads*head_dim={K} layers={args.layers} NB={args.blocks} mode={args.mode} backend={args.backend}")
+    print(
+        f"mesh: {RANKS} x {devices[0].platform} devices; T={args.tokens} H={args.hidden} "
+        f"heads*head_dim={K} layers={args.layers} NB={args.blocks} mode={args.mode} backend={args.backend}"
+    )
     params, carry = make_params(args, mesh), make_state(args, mesh)
     decode = build_decode(args, mesh)
 

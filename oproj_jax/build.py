@@ -1,7 +1,7 @@
 """Builds the GPU artifacts on any machine with the `cute` extra and g++ (no GPU needed):
 
-  python -m oproj_jax.build            # cubins + manifest, then the XLA FFI library
-  python -m oproj_jax.build --ffi-only # only the FFI library (no CuTe DSL needed)
+python -m oproj_jax.build            # cubins + manifest, then the XLA FFI library
+python -m oproj_jax.build --ffi-only # only the FFI library (no CuTe DSL needed)
 """
 
 from __future__ import annotations

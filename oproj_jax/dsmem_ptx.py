@@ -21,6 +21,5 @@ PUT_F32 = (
 
 # $0: the mbarrier's address. Spins until its phase 0 completes (every expected byte and arrival).
 WAIT_PHASE0 = (
-    "{ .reg .pred p; WAIT_${:uid}: mbarrier.try_wait.parity.shared::cta.b64 p, [$0], 0;"
-    " @!p bra WAIT_${:uid}; }"
+    "{ .reg .pred p; WAIT_${:uid}: mbarrier.try_wait.parity.shared::cta.b64 p, [$0], 0; @!p bra WAIT_${:uid}; }"
 )

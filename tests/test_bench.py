@@ -18,8 +18,20 @@ from oproj_jax.bench import __main__ as cli
 from oproj_jax.bench import backends as bench_backends
 from oproj_jax.bench import checks, inputs, report, timing
 
-TIMING_FIELDS = {"backend", "T", "R", "NB", "groups", "us", "device", "date", "gbps", "pct_roofline",
-                 "speedup_vs_reference", "method"}
+TIMING_FIELDS = {
+    "backend",
+    "T",
+    "R",
+    "NB",
+    "groups",
+    "us",
+    "device",
+    "date",
+    "gbps",
+    "pct_roofline",
+    "speedup_vs_reference",
+    "method",
+}
 CHECK_FIELDS = {"backend", "config", "prefix_mismatch", "out_rel_l2"}
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
@@ -29,8 +41,25 @@ def cli_run(tmp_path_factory):
     """One small CLI run (reference, T=1, R=2, NB=1, with --check), shared by the tests below."""
     out = tmp_path_factory.mktemp("bench")
     json_path, plot_path = out / "r.json", out / "r.png"
-    argv = ["--backends", "reference", "--tokens", "1", "--ranks", "2", "--nb", "1", "--reps", "2",
-            "--check", "--seed", "5", "--json", str(json_path), "--plot", str(plot_path)]
+    argv = [
+        "--backends",
+        "reference",
+        "--tokens",
+        "1",
+        "--ranks",
+        "2",
+        "--nb",
+        "1",
+        "--reps",
+        "2",
+        "--check",
+        "--seed",
+        "5",
+        "--json",
+        str(json_path),
+        "--plot",
+        str(plot_path),
+    ]
     capture = pytest.MonkeyPatch()
     stdout = []
     capture.setattr(sys, "stdout", types.SimpleNamespace(write=stdout.append, flush=lambda: None))

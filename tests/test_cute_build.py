@@ -56,13 +56,13 @@ def _build_id(build):
 def _section_headers(data: bytes) -> list[tuple]:
     """ELF64 section headers (name, type, flags, addr, offset, size, link, info, align, entsize)."""
     assert data[:4] == b"\x7fELF" and data[4] == 2  # 64-bit ELF
-    shoff, = struct.unpack_from("<Q", data, 0x28)
+    (shoff,) = struct.unpack_from("<Q", data, 0x28)
     shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
     return [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
 
 
 def _c_string(data: bytes, start: int) -> bytes:
-    return data[start: data.index(b"\0", start)]
+    return data[start : data.index(b"\0", start)]
 
 
 def _elf_symbols(data: bytes) -> set[bytes]:
@@ -81,7 +81,7 @@ def _elf_sections(data: bytes) -> dict[str, bytes]:
     """Section name -> contents."""
     sections = _section_headers(data)
     names = sections[struct.unpack_from("<H", data, 0x3E)[0]]  # e_shstrndx
-    return {_c_string(data, names[4] + sh[0]).decode(): data[sh[4]: sh[4] + sh[5]] for sh in sections}
+    return {_c_string(data, names[4] + sh[0]).decode(): data[sh[4] : sh[4] + sh[5]] for sh in sections}
 
 
 def _register_count(data: bytes) -> int:
@@ -92,7 +92,7 @@ def _register_count(data: bytes) -> int:
         fmt, attr = info[i], info[i + 1]
         if fmt != 4:  # the module-level .nv.info holds sized (EIFMT_SVAL) attributes only
             break
-        size, = struct.unpack_from("<H", info, i + 2)
+        (size,) = struct.unpack_from("<H", info, i + 2)
         if attr == 0x2F:
             return struct.unpack_from("<II", info, i + 4)[1]
         i += 4 + size
@@ -102,8 +102,9 @@ def _register_count(data: bytes) -> int:
 def test_manifest_lists_every_build_once(built):
     out, manifest = built
     assert manifest["arch"] == "sm_90a" and manifest["H"] == 7168
-    assert sorted(json.dumps([e["key"], e["min_ctas"], e["fold"]], sort_keys=True) for e in manifest["kernels"]) == sorted(
-        json.dumps([k, b.min_ctas, b.fold], sort_keys=True) for k, b in BUILDS)
+    assert sorted(
+        json.dumps([e["key"], e["min_ctas"], e["fold"]], sort_keys=True) for e in manifest["kernels"]
+    ) == sorted(json.dumps([k, b.min_ctas, b.fold], sort_keys=True) for k, b in BUILDS)
     assert len({e["cubin"] for e in manifest["kernels"]}) == len(BUILDS)
 
 
@@ -163,8 +164,10 @@ def test_params_block_cluster_smem_follow_the_abi(built, build):
 def test_ptx_params_parser_reads_the_entry_signature():
     from oproj_jax.cute.build import ptx_params
 
-    ptx = (".visible .entry k(\n\t.param .u64 .ptr .global .align 16 k_param_0,\n"
-           "\t.param .f32 k_param_1,\n\t.param .u32 k_param_2\n)\n{\n\t.param .b32 x;\n}")
+    ptx = (
+        ".visible .entry k(\n\t.param .u64 .ptr .global .align 16 k_param_0,\n"
+        "\t.param .f32 k_param_1,\n\t.param .u32 k_param_2\n)\n{\n\t.param .b32 x;\n}"
+    )
     assert ptx_params(ptx) == [".u64", ".f32", ".u32"]
 
 

@@ -82,10 +82,20 @@ def inputs(config, seed=0):
 def expected(config, x, mailbox=None):
     """Reference prefix (jnp on the CPU) and the f64 output from it."""
     cpu = jax.devices("cpu")[0]
-    args = [jax.device_put(x[k] if k != "mailbox" or mailbox is None else mailbox, cpu)
-            for k in ("mailbox", "prefix", "blocks", "norm", "query", "out_norm")]
-    ref = jax.jit(functools.partial(reference.consumer, eps=EPS, out_eps=OUT_EPS, has_delta=config.has_delta,
-                                    groups=1 if config.twoshot else config.groups, xmoe_replicas=0))(*args)
+    args = [
+        jax.device_put(x[k] if k != "mailbox" or mailbox is None else mailbox, cpu)
+        for k in ("mailbox", "prefix", "blocks", "norm", "query", "out_norm")
+    ]
+    ref = jax.jit(
+        functools.partial(
+            reference.consumer,
+            eps=EPS,
+            out_eps=OUT_EPS,
+            has_delta=config.has_delta,
+            groups=1 if config.twoshot else config.groups,
+            xmoe_replicas=0,
+        )
+    )(*args)
     prefix = np.asarray(ref.prefix)
     out = testing.output_f64(prefix, x["blocks"], x["norm"], x["query"], x["out_norm"], eps=EPS, out_eps=OUT_EPS)
     return prefix, out
@@ -118,8 +128,10 @@ def options(config, **extra):
 
 
 def run_oneshot(config, x, gpu, mailbox=None, **kw):
-    args = [jax.device_put(x[k] if k != "mailbox" or mailbox is None else mailbox, gpu)
-            for k in ("mailbox", "prefix", "blocks", "norm", "query", "out_norm")]
+    args = [
+        jax.device_put(x[k] if k != "mailbox" or mailbox is None else mailbox, gpu)
+        for k in ("mailbox", "prefix", "blocks", "norm", "query", "out_norm")
+    ]
     call = jax.jit(functools.partial(backend.consume, **options(config, groups=config.groups, **kw)))
     return call(*args)
 
@@ -128,17 +140,18 @@ def twoshot_operands(config, x, me):
     """recv = every rank's slice `me`; the gather row holds the other ranks' reduced columns
     (what they would have broadcast) and the sentinel in this rank's own columns."""
     cols = config.H // config.R
-    recv = np.ascontiguousarray(x["mailbox"][:, :, me * cols:(me + 1) * cols])
+    recv = np.ascontiguousarray(x["mailbox"][:, :, me * cols : (me + 1) * cols])
     cpu = jax.devices("cpu")[0]
     gather = np.array(jax.jit(reference.twoshot_gather)(jax.device_put(x["mailbox"], cpu)))
-    gather[..., me * cols:(me + 1) * cols] = empty_slots((1, config.T, cols))
+    gather[..., me * cols : (me + 1) * cols] = empty_slots((1, config.T, cols))
     return recv, gather
 
 
 def run_twoshot(config, x, gpu, me, **kw):
     recv, gather = twoshot_operands(config, x, me)
-    args = [jax.device_put(a, gpu) for a in (recv, gather, x["prefix"], x["blocks"], x["norm"], x["query"],
-                                             x["out_norm"])]
+    args = [
+        jax.device_put(a, gpu) for a in (recv, gather, x["prefix"], x["blocks"], x["norm"], x["query"], x["out_norm"])
+    ]
     call = jax.jit(functools.partial(backend.consume_twoshot, me=me, **options(config, groups=config.groups, **kw)))
     return call(*args)
 
@@ -182,8 +195,17 @@ def test_registry_consumer_ready_mode(cute, config):
     x["mailbox"] = mailbox
     poison_allocator((config.R + 2 + config.xmoe_replicas) * config.T * config.H * 2)
     args = [jax.device_put(x[k], cute) for k in ("mailbox", "prefix", "blocks", "norm", "query", "out_norm")]
-    call = jax.jit(functools.partial(oproj_jax.consumer, eps=EPS, out_eps=OUT_EPS, has_delta=config.has_delta,
-                                     groups=config.groups, xmoe_replicas=config.xmoe_replicas, backend="cute"))
+    call = jax.jit(
+        functools.partial(
+            oproj_jax.consumer,
+            eps=EPS,
+            out_eps=OUT_EPS,
+            has_delta=config.has_delta,
+            groups=config.groups,
+            xmoe_replicas=config.xmoe_replicas,
+            backend="cute",
+        )
+    )
     got = call(*args)
     check_result(config, x, got.prefix, got.output, got.xmoe)
     np.testing.assert_array_equal(words(args[0]), words(mailbox), err_msg="the caller's mailbox was modified")
@@ -221,13 +243,18 @@ def publish_later(ptr: int, data: np.ndarray, delay: float, stamp: dict) -> thre
 
     def work():
         driver_launch.check(cu.cuInit(0), "cuInit")
-        ctx = driver_launch.check(cu.cuDevicePrimaryCtxRetain(driver_launch.check(cu.cuDeviceGet(0), "cuDeviceGet")), "cuDevicePrimaryCtxRetain")
+        ctx = driver_launch.check(
+            cu.cuDevicePrimaryCtxRetain(driver_launch.check(cu.cuDeviceGet(0), "cuDeviceGet")),
+            "cuDevicePrimaryCtxRetain",
+        )
         driver_launch.check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
         stream = driver_launch.check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
         host = np.ascontiguousarray(data)
         time.sleep(delay)
         stamp["write"] = time.perf_counter()
-        driver_launch.check(cu.cuMemcpyHtoDAsync(cu.CUdeviceptr(ptr), host.ctypes.data, host.nbytes, stream), "cuMemcpyHtoDAsync")
+        driver_launch.check(
+            cu.cuMemcpyHtoDAsync(cu.CUdeviceptr(ptr), host.ctypes.data, host.nbytes, stream), "cuMemcpyHtoDAsync"
+        )
         driver_launch.check(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
         driver_launch.check(cu.cuStreamDestroy(stream), "cuStreamDestroy")
 
@@ -241,8 +268,10 @@ def test_waits_for_a_slot_published_late(cute):
     config, late, delay = configs.Config(16, 3, 8), 6, 0.3
     x = inputs(config)
     full = published(x["mailbox"])
-    call = jax.jit(functools.partial(backend.consume, **options(config, groups=config.groups),
-                                     published=True, spin_limit=1 << 30), donate_argnums=0)
+    call = jax.jit(
+        functools.partial(backend.consume, **options(config, groups=config.groups), published=True, spin_limit=1 << 30),
+        donate_argnums=0,
+    )
     rest = [jax.device_put(x[k], cute) for k in ("prefix", "blocks", "norm", "query", "out_norm")]
     jax.block_until_ready(call(jax.device_put(full, cute), *rest))  # compile; same shapes
     empty = full.copy()
@@ -263,8 +292,10 @@ def test_waits_for_a_slot_published_late(cute):
     assert int(res.status[0]) == 0
     check_result(config, x, res.prefix, res.output, res.xmoe)
     assert (words(res.mailbox) == SENTINEL).all()
-    print(f"late slot: launched {1e3 * (dispatched - start):.1f} ms, published at "
-          f"{1e3 * (stamp['write'] - start):.1f} ms, finished {1e3 * (done - start):.1f} ms")
+    print(
+        f"late slot: launched {1e3 * (dispatched - start):.1f} ms, published at "
+        f"{1e3 * (stamp['write'] - start):.1f} ms, finished {1e3 * (done - start):.1f} ms"
+    )
 
 
 def test_bounded_polling_reports_a_slot_never_published(cute):
@@ -306,6 +337,7 @@ def test_scan_loop(cute):
             prefix, hints, status = carry
             r = backend.consume(mailbox, prefix, blocks, norm, query, out_norm, hints=hints, status=status, **opts)
             return (r.prefix, r.hints, r.status), (r.prefix, r.output, r.xmoe)
+
         zeros = (jnp.zeros((1,), jnp.uint32), jnp.zeros((1,), jnp.int32))
         return jax.lax.scan(step, (prefix, *zeros), mailboxes)
 
@@ -327,14 +359,21 @@ def test_scan_loop_registry_path(cute):
     xs, rest, _ = loop_inputs(cute)
     x0 = xs[0]
     mailboxes = jax.device_put(np.stack([s["mailbox"] for s in xs]), cute)
-    consume = functools.partial(oproj_jax.consumer, eps=EPS, out_eps=OUT_EPS, groups=config.groups,
-                                xmoe_replicas=config.xmoe_replicas, backend="cute")
+    consume = functools.partial(
+        oproj_jax.consumer,
+        eps=EPS,
+        out_eps=OUT_EPS,
+        groups=config.groups,
+        xmoe_replicas=config.xmoe_replicas,
+        backend="cute",
+    )
 
     @functools.partial(jax.jit, donate_argnums=(1,))
     def scan(mailboxes, prefix, blocks, norm, query, out_norm):
         def step(prefix, mailbox):
             r = consume(mailbox, prefix, blocks, norm, query, out_norm)
             return r.prefix, (r.prefix, r.output, r.xmoe)
+
         return jax.lax.scan(step, prefix, mailboxes)
 
     _, (prefixes, outputs, xmoes) = scan(mailboxes, jax.device_put(x0["prefix"], cute), *rest)
@@ -360,8 +399,9 @@ def test_back_to_back_calls(cute):
         return (a.prefix, a.output, a.xmoe), (b.prefix, b.output, b.xmoe), b.status, a.mailbox, b.mailbox
 
     m1, m2 = published(xs[1]["mailbox"]), published(xs[2]["mailbox"])
-    first, second, st, *_ = back_to_back(jax.device_put(m1, cute), jax.device_put(m2, cute),
-                                          jax.device_put(x0["prefix"], cute), *rest)
+    first, second, st, *_ = back_to_back(
+        jax.device_put(m1, cute), jax.device_put(m2, cute), jax.device_put(x0["prefix"], cute), *rest
+    )
     assert int(st[0]) == 0
     check_result(config, dict(x0, mailbox=m1), *first, tag="first of two")
     check_result(config, dict(x0, mailbox=m2, prefix=np.asarray(first[0])), *second, tag="second of two")
@@ -408,11 +448,20 @@ def test_xla_command_buffer(cute, tmp_path):
     record stage: replays are exact, graph updates with new buffers stay exact, and XLA's thunk
     sequence shows the calls inside the command buffer."""
     dump = tmp_path / "dump"
-    env = dict(os.environ, XLA_FLAGS=f"--xla_gpu_graph_min_graph_size=1 --xla_dump_to={dump}",
-               XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONPATH=str(pathlib.Path(backend.__file__).parents[2]))
+    env = dict(
+        os.environ,
+        XLA_FLAGS=f"--xla_gpu_graph_min_graph_size=1 --xla_dump_to={dump}",
+        XLA_PYTHON_CLIENT_PREALLOCATE="false",
+        PYTHONPATH=str(pathlib.Path(backend.__file__).parents[2]),
+    )
     out, ready_out = tmp_path / "out.npy", tmp_path / "ready.npy"
-    done = subprocess.run([sys.executable, "-c", _COMMAND_BUFFER_SCRIPT, str(out), str(ready_out)], env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", _COMMAND_BUFFER_SCRIPT, str(out), str(ready_out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report == {"status": 0, "replays_identical": True}
@@ -422,16 +471,23 @@ def test_xla_command_buffer(cute, tmp_path):
     # The second of two dependent calls, against the reference (prefix bits) and the f64 oracle.
     first_prefix, _ = expected(config, x)
     doubled = np.asarray(jnp.asarray(x["mailbox"]) * 2)
-    check_result(config, dict(x, mailbox=doubled, prefix=first_prefix), got_prefix, got_output, None,
-                 tag="second call in a command buffer")
+    check_result(
+        config,
+        dict(x, mailbox=doubled, prefix=first_prefix),
+        got_prefix,
+        got_output,
+        None,
+        tag="second call in a command buffer",
+    )
     sets = [configs.make_inputs(config, seed) for seed in (0, 1)]
     with_xmoe = configs.Config(16, 3, 8, xmoe_replicas=1)
     for i, run in enumerate(np.load(ready_out, allow_pickle=True)):
         a, b = sets[i % 2], sets[(i + 1) % 2]
         p1, o1, p2, o2, xm = (v.view(ml_dtypes.bfloat16) for v in run)
         check_result(config, a, p1, o1, None, tag=f"ready call 1, execution {i}")
-        check_result(with_xmoe, dict(a, mailbox=b["mailbox"], prefix=p1), p2, o2, xm,
-                     tag=f"ready call 2, execution {i}")
+        check_result(
+            with_xmoe, dict(a, mailbox=b["mailbox"], prefix=p1), p2, o2, xm, tag=f"ready call 2, execution {i}"
+        )
     for module in ("two_steps", "ready_steps"):
         thunks = testing.thunk_sequence(dump, module)
         assert testing.custom_calls_in_command_buffers(thunks) == 2, thunks[:3000]
@@ -455,8 +511,14 @@ def test_torch_launch_matches_jax_bits(cute, config):
     torch = pytest.importorskip("torch")
     x = inputs(config)
     me = config.R // 2 - 1
-    key = backend.kernel_key(config.R, config.NB, has_delta=config.has_delta, groups=config.groups,
-                             xmoe_replicas=config.xmoe_replicas, twoshot=config.twoshot)
+    key = backend.kernel_key(
+        config.R,
+        config.NB,
+        has_delta=config.has_delta,
+        groups=config.groups,
+        xmoe_replicas=config.xmoe_replicas,
+        twoshot=config.twoshot,
+    )
     try:
         import cuda.bindings  # noqa: F401
     except ImportError as err:
@@ -483,9 +545,18 @@ def test_torch_launch_matches_jax_bits(cute, config):
     prefix0 = prefix.clone()
 
     def launch_once():
-        pointers = [slots.data_ptr(), prefix.data_ptr(), blocks.data_ptr(), norm.data_ptr(), query.data_ptr(),
-                    out_norm.data_ptr(), output.data_ptr(), xmoe.data_ptr(), flags.data_ptr() + 4,
-                    flags.data_ptr()]
+        pointers = [
+            slots.data_ptr(),
+            prefix.data_ptr(),
+            blocks.data_ptr(),
+            norm.data_ptr(),
+            query.data_ptr(),
+            out_norm.data_ptr(),
+            output.data_ptr(),
+            xmoe.data_ptr(),
+            flags.data_ptr() + 4,
+            flags.data_ptr(),
+        ]
         extra = (recv.data_ptr(), slots.data_ptr(), me) if config.twoshot else None
         launch(T, pointers, EPS, OUT_EPS, SPIN, extra)
 

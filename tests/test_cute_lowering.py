@@ -1,8 +1,9 @@
 """backend="cute" without a GPU: the FFI library builds, calls lower to our custom_call for CUDA,
 and the backend says clearly why it cannot run here.
 
-The lowering tests use a fake manifest (any bytes as "cubin"): lowering never reads the cubin,
-only the manifest entry's path, entry name, shared memory and block size.
+The lowering tests use a fake manifest (any bytes as "cubin", sealed with their sha256 and the
+installed sources' fingerprint): lowering only hashes the cubin and passes the manifest entry's
+path, entry name, shared memory and block size.
 """
 
 import ctypes
@@ -20,6 +21,7 @@ from oproj_jax import configs, reference
 from oproj_jax.cute import ffi
 from oproj_jax.api import Dims
 from oproj_jax.cute import backend
+from oproj_jax.cute import manifest as cute_manifest
 
 H = configs.HIDDEN
 ONESHOT_KEY = dict(R=2, NB=1, has_delta=True, groups=2, xmoe_replicas=1, twoshot=False)
@@ -37,14 +39,31 @@ def fake_cubins(tmp_path, monkeypatch, library):
     kernels = []
     for i, key in enumerate((ONESHOT_KEY, TWOSHOT_KEY)):
         (tmp_path / f"variant{i}.cubin").write_bytes(b"not a cubin: lowering never opens it")
-        kernels.append(dict(key=key, cubin=f"variant{i}.cubin", entry=f"kernel_entry_{i}",
-                            dynamic_smem_bytes=40000 + i, block=[128 * key["groups"], 1, 1], cluster=[7, 1, 1],
-                            params=[".u64"] * (17 if key["twoshot"] else 14)))
+        kernels.append(
+            dict(
+                key=key,
+                cubin=f"variant{i}.cubin",
+                entry=f"kernel_entry_{i}",
+                dynamic_smem_bytes=40000 + i,
+                block=[128 * key["groups"], 1, 1],
+                cluster=[7, 1, 1],
+                params=[".u64"] * (17 if key["twoshot"] else 14),
+            )
+        )
     # the folded build of the oneshot key (128 threads), which ready mode (the registry) takes
     (tmp_path / "variant0f.cubin").write_bytes(b"not a cubin either")
-    kernels.append(dict(kernels[0], fold=True, cubin="variant0f.cubin", entry="kernel_entry_0f",
-                        dynamic_smem_bytes=30000, block=[128, 1, 1]))
-    (tmp_path / "manifest.json").write_text(json.dumps(dict(arch="sm_90a", cutlass_dsl="4.8.1", H=H, kernels=kernels)))
+    kernels.append(
+        dict(
+            kernels[0],
+            fold=True,
+            cubin="variant0f.cubin",
+            entry="kernel_entry_0f",
+            dynamic_smem_bytes=30000,
+            block=[128, 1, 1],
+        )
+    )
+    manifest = cute_manifest.seal(dict(arch="sm_90a", cutlass_dsl="4.8.1", H=H, kernels=kernels), tmp_path)
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     monkeypatch.setenv("OPROJ_JAX_CUBIN_DIR", str(tmp_path))
     monkeypatch.setenv("OPROJ_JAX_FFI_LIBRARY", str(library))
     return tmp_path
@@ -79,7 +98,7 @@ def test_stage_table(registration):
     symbols, traits = ffi._stage_table(registration)
     assert len(symbols) == 5 * len(ffi.SYMBOLS) and len(traits) == len(ffi.SYMBOLS)
     for i, stages in enumerate(ffi.SYMBOLS.values()):
-        instantiate, prepare, initialize, execute, record = symbols[5 * i: 5 * i + 5]
+        instantiate, prepare, initialize, execute, record = symbols[5 * i : 5 * i + 5]
         assert (instantiate, prepare, execute) == (None, None, stages.execute)
         graph = stages.command_buffer and registration != "direct"
         assert traits[i] == int(graph)
@@ -99,25 +118,36 @@ def test_every_graph_safe_target_has_a_record_stage():
 
 
 def test_oneshot_lowers_to_our_custom_call(fake_cubins):
-    fn = functools.partial(backend.consume, eps=1e-6, out_eps=1e-5, has_delta=True, groups=2, xmoe_replicas=1,
-                           spin_limit=77)
+    fn = functools.partial(
+        backend.consume, eps=1e-6, out_eps=1e-5, has_delta=True, groups=2, xmoe_replicas=1, spin_limit=77
+    )
     text = lower_for_cuda(fn, spec(2, 3, H), spec(3, H), spec(3, 1, H), spec(H), spec(H), spec(H))
     (call,) = custom_calls(text, ffi.ONESHOT_TARGET)
-    for attribute in (f'cubin = "{fake_cubins / "variant0.cubin"}"', 'entry = "kernel_entry_0"',
-                      "smem = 40000 : i64", "block = 256 : i64", "spin_limit = 77 : i32", "pdl = true",
-                      "eps = 9.99999997E-7 : f32", "out_eps = 9.99999974E-6 : f32"):
+    for attribute in (
+        f'cubin = "{fake_cubins / "variant0.cubin"}"',
+        'entry = "kernel_entry_0"',
+        "smem = 40000 : i64",
+        "block = 256 : i64",
+        "spin_limit = 77 : i32",
+        "pdl = true",
+        "eps = 9.99999997E-7 : f32",
+        "out_eps = 9.99999974E-6 : f32",
+    ):
         assert attribute in call, attribute
     # mailbox, prefix, hints, status are updated in place: operand -> result aliases
     aliases = set(re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", call))
     assert aliases == {("0", "0"), ("1", "1"), ("4", "6"), ("5", "7")}
-    assert "(tensor<2x3x7168xbf16>, tensor<3x7168xbf16>, tensor<3x7168xbf16>, tensor<1x3x7168xbf16>, " \
-           "tensor<1xui32>, tensor<1xi32>)" in call  # results: mailbox, prefix, output, xmoe, hints, status
+    assert (
+        "(tensor<2x3x7168xbf16>, tensor<3x7168xbf16>, tensor<3x7168xbf16>, tensor<1x3x7168xbf16>, "
+        "tensor<1xui32>, tensor<1xi32>)" in call
+    )  # results: mailbox, prefix, output, xmoe, hints, status
     assert "compare  EQ" in text or "compare EQ" in text, "the mailbox is sanitized (-0.0 -> +0.0) first"
 
 
 def test_published_mailbox_goes_straight_to_the_kernel(fake_cubins):
-    fn = functools.partial(backend.consume, eps=1e-6, out_eps=1e-6, has_delta=True, groups=2, xmoe_replicas=1,
-                           published=True)
+    fn = functools.partial(
+        backend.consume, eps=1e-6, out_eps=1e-6, has_delta=True, groups=2, xmoe_replicas=1, published=True
+    )
     text = lower_for_cuda(fn, spec(2, 3, H), spec(3, H), spec(3, 1, H), spec(H), spec(H), spec(H))
     (call,) = custom_calls(text, ffi.ONESHOT_TARGET)
     assert "compare" not in text and "select" not in text
@@ -158,8 +188,7 @@ def test_vmap_of_the_registry_consumer_calls_the_kernel_per_element(fake_cubins)
 
 def test_twoshot_lowers_to_our_custom_call(fake_cubins):
     fn = functools.partial(backend.consume_twoshot, me=1, has_delta=False, groups=1, xmoe_replicas=0)
-    text = lower_for_cuda(fn, spec(2, 5, H // 2), spec(1, 5, H), spec(5, H), spec(5, 0, H), spec(H), spec(H),
-                          spec(H))
+    text = lower_for_cuda(fn, spec(2, 5, H // 2), spec(1, 5, H), spec(5, H), spec(5, 0, H), spec(H), spec(H), spec(H))
     (call,) = custom_calls(text, ffi.TWOSHOT_TARGET)
     assert "me = 1 : i32" in call and 'entry = "kernel_entry_1"' in call and "block = 128 : i64" in call
     aliases = set(re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", call))
@@ -202,9 +231,9 @@ def test_unavailable_reasons(monkeypatch, tmp_path):
 
 
 def test_unsupported_reasons(fake_cubins):
-    assert backend.unsupported_reason(Dims(2, 3, 1, 4096), **{k: ONESHOT_KEY[k] for k in
-                                                             ("has_delta", "groups", "xmoe_replicas")}).startswith(
-        "the CuTe cubins are built for H = 7168")
+    assert backend.unsupported_reason(
+        Dims(2, 3, 1, 4096), **{k: ONESHOT_KEY[k] for k in ("has_delta", "groups", "xmoe_replicas")}
+    ).startswith("the CuTe cubins are built for H = 7168")
     assert backend.unsupported_reason(Dims(2, 3, 1, H), has_delta=True, groups=2, xmoe_replicas=1) is None
     reason = backend.unsupported_reason(Dims(16, 3, 8, H), has_delta=True, groups=4, xmoe_replicas=0)
     assert "R=16 NB=8 has_delta=True groups=4 xmoe_replicas=0 twoshot=False" in reason

@@ -36,7 +36,11 @@ def test_two_process_oneshot_matches_reference():
     workers = [
         subprocess.Popen(
             [sys.executable, __file__, "worker", str(i), str(port)],
-            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for i in range(PROCESSES)
     ]
@@ -75,7 +79,9 @@ def _worker(process_id: int, port: int) -> int:
 
     try:  # the probe: only jax, so a failure here is the platform's, not the project's
         jax.distributed.initialize(
-            coordinator_address=f"127.0.0.1:{port}", num_processes=PROCESSES, process_id=process_id,
+            coordinator_address=f"127.0.0.1:{port}",
+            num_processes=PROCESSES,
+            process_id=process_id,
             initialization_timeout=60,
         )
         mesh = Mesh(np.array(jax.devices()), ("tp",))
@@ -106,8 +112,9 @@ def _worker(process_id: int, port: int) -> int:
         want = api.consumer(x["mailbox"], *(x[k] for k in names), backend="reference", **cfg.options())
     want_prefix = testing.bits(want.prefix)
     output_bits = testing.bits(got.output.addressable_shards[0].data)
-    want_output = testing.output_f64(want.prefix, x["blocks"], x["norm"], x["query"], x["out_norm"],
-                                     eps=1e-6, out_eps=1e-6)  # from the prefix, checked bit-exact below
+    want_output = testing.output_f64(
+        want.prefix, x["blocks"], x["norm"], x["query"], x["out_norm"], eps=1e-6, out_eps=1e-6
+    )  # from the prefix, checked bit-exact below
     error = testing.rel_l2(output_bits.view(want.output.dtype), want_output)
     for p_shard, o_shard in zip(got.prefix.addressable_shards, got.output.addressable_shards):
         if not np.array_equal(testing.bits(p_shard.data), want_prefix):
@@ -120,8 +127,11 @@ def _worker(process_id: int, port: int) -> int:
         print(f"process {process_id}: output rel L2 {error:.2e} vs f64 >= {testing.OUTPUT_REL_L2_TOL}", flush=True)
         return 1
     shards = len(got.prefix.addressable_shards)
-    print(f"process {process_id}: {shards} shards match the reference bits (prefix) and each other (output, "
-          f"rel L2 {error:.1e} vs f64); {len(jax.devices())} devices in {jax.process_count()} processes", flush=True)
+    print(
+        f"process {process_id}: {shards} shards match the reference bits (prefix) and each other (output, "
+        f"rel L2 {error:.1e} vs f64); {len(jax.devices())} devices in {jax.process_count()} processes",
+        flush=True,
+    )
     jax.distributed.shutdown()
     return 0
 

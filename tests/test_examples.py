@@ -21,7 +21,11 @@ def _run(script: str, *args: str) -> str:
     try:
         done = subprocess.run(
             [sys.executable, str(REPO / "examples" / script), *args],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
         )
     except subprocess.TimeoutExpired:
         pytest.fail(f"{script} did not finish within {TIMEOUT_S} s")
@@ -57,8 +61,9 @@ def test_readme_quickstart():
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}")
     try:
-        done = subprocess.run([sys.executable, "-c", match.group(1)], cwd=REPO, env=env, capture_output=True,
-                              text=True, timeout=TIMEOUT_S)
+        done = subprocess.run(
+            [sys.executable, "-c", match.group(1)], cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+        )
     except subprocess.TimeoutExpired:
         pytest.fail(f"the README quickstart did not finish within {TIMEOUT_S} s")
     assert done.returncode == 0, f"the README quickstart exited {done.returncode}\n{done.stdout}\n{done.stderr}"

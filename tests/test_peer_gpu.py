@@ -120,10 +120,15 @@ def test_xla_command_buffer_chain_stays_exact(mesh, tmp_path):
     stage), and six executions alternating two input sets (new buffer addresses each time: the
     graph nodes are updated, not re-recorded) give oneshot's prefix bits on both ranks."""
     dump = tmp_path / "dump"
-    env = dict(os.environ, XLA_FLAGS=f"--xla_gpu_graph_min_graph_size=1 --xla_dump_to={dump}",
-               XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONPATH=str(pathlib.Path(backend.__file__).parents[2]))
-    done = subprocess.run([sys.executable, "-c", _COMMAND_BUFFER_SCRIPT], env=env, capture_output=True, text=True,
-                          timeout=150)
+    env = dict(
+        os.environ,
+        XLA_FLAGS=f"--xla_gpu_graph_min_graph_size=1 --xla_dump_to={dump}",
+        XLA_PYTHON_CLIENT_PREALLOCATE="false",
+        PYTHONPATH=str(pathlib.Path(backend.__file__).parents[2]),
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", _COMMAND_BUFFER_SCRIPT], env=env, capture_output=True, text=True, timeout=150
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report == {"executions": 6, "exact": True, "replicated": True, "status": 0}, report
@@ -140,8 +145,18 @@ def test_a_peer_that_never_rearms_makes_the_publish_give_up(mesh):
     x = configs.make_inputs(cfg, seed=11)
     table = peer.group_table(mesh, "tp")
     device = mesh.devices.flat[0]
-    step = jax.jit(functools.partial(peer.consume, table=table, eps=1e-6, out_eps=1e-6, has_delta=False, groups=1,
-                                     xmoe_replicas=0, options=peer.PeerOptions(spin_limit=1 << 12)))
+    step = jax.jit(
+        functools.partial(
+            peer.consume,
+            table=table,
+            eps=1e-6,
+            out_eps=1e-6,
+            has_delta=False,
+            groups=1,
+            xmoe_replicas=0,
+            options=peer.PeerOptions(spin_limit=1 << 12),
+        )
+    )
     args = [jax.device_put(a, device) for a in (x["mailbox"][0], *_args(x)[1:])]
     start = time.perf_counter()
     first = int(np.asarray(step(*args).status)[0])
@@ -160,8 +175,11 @@ def test_a_peer_that_never_rearms_makes_the_publish_give_up(mesh):
 
 # ---- bits, eagerly ----------------------------------------------------------------------------
 
-CASES = [configs.Config(R, T, 0, groups=g, has_delta=False, xmoe_replicas=x)
-         for g in (1, 2, 3, 4) for x, T in ((0, 1), (1, 8))] + [configs.Config(R, 65, 0, groups=4, has_delta=False)]
+CASES = [
+    configs.Config(R, T, 0, groups=g, has_delta=False, xmoe_replicas=x)
+    for g in (1, 2, 3, 4)
+    for x, T in ((0, 1), (1, 8))
+] + [configs.Config(R, 65, 0, groups=4, has_delta=False)]
 
 
 @pytest.mark.parametrize("cfg", CASES, ids=[c.name for c in CASES])
@@ -169,9 +187,9 @@ def test_peer_bits_equal_oneshot(mesh, cfg):
     x = configs.make_inputs(cfg, seed=cfg.T * 10 + cfg.groups)
     got = tp_consumer(*_args(x), mesh=mesh, mode="peer", **cfg.options())  # eager: status checked
     # the reference oracle on a subset (session time; cute oneshot == reference is test_cute_gpu's)
-    for backend in ("cute", "reference") if cfg.groups in (1, 4) else ("cute",):
-        want = tp_consumer(*_args(x), mesh=mesh, mode="oneshot", backend=backend, **cfg.options())
-        np.testing.assert_array_equal(_replicas(got.prefix), testing.bits(want.prefix), err_msg=backend)
+    for name in ("cute", "reference") if cfg.groups in (1, 4) else ("cute",):
+        want = tp_consumer(*_args(x), mesh=mesh, mode="oneshot", backend=name, **cfg.options())
+        np.testing.assert_array_equal(_replicas(got.prefix), testing.bits(want.prefix), err_msg=name)
     assert testing.rel_l2(got.output, want.output) < testing.OUTPUT_REL_L2_TOL
     _replicas(got.output)
     if cfg.xmoe_replicas:
@@ -201,8 +219,10 @@ def _fresh_steps(cfg, steps, seed):
     return partials, xs[0]
 
 
-SCAN_CASES = [configs.Config(R, 8, 8, groups=4),  # has_delta: the prefix carries through the steps
-              configs.Config(R, 8, 0, groups=1, has_delta=False)]
+SCAN_CASES = [
+    configs.Config(R, 8, 8, groups=4),  # has_delta: the prefix carries through the steps
+    configs.Config(R, 8, 0, groups=1, has_delta=False),
+]
 
 
 @pytest.mark.parametrize("cfg", SCAN_CASES, ids=[c.name for c in SCAN_CASES])
@@ -215,8 +235,18 @@ def test_scan_of_steps_stays_exact(mesh, cfg):
         @jax.jit
         def loop(partials, prefix, blocks, norm, query, out_norm):
             def step(prefix, partial):
-                res = tp_consumer(partial, prefix, blocks, norm, query, out_norm, mesh=mesh, mode=mode,
-                                  backend=backend, **cfg.options())
+                res = tp_consumer(
+                    partial,
+                    prefix,
+                    blocks,
+                    norm,
+                    query,
+                    out_norm,
+                    mesh=mesh,
+                    mode=mode,
+                    backend=backend,
+                    **cfg.options(),
+                )
                 status = getattr(res, "status", jnp.zeros((R,), jnp.int32))
                 return res.prefix, (res.prefix, res.output, status)
 
@@ -244,8 +274,9 @@ def test_unrolled_chain_and_fused_oproj(mesh):
         def run(partials, prefix, blocks, norm, query, out_norm):
             prefixes, statuses = [], []
             for p in partials:
-                res = tp_consumer(p, prefix, blocks, norm, query, out_norm, mesh=mesh, mode=mode, backend=backend,
-                                  **cfg.options())
+                res = tp_consumer(
+                    p, prefix, blocks, norm, query, out_norm, mesh=mesh, mode=mode, backend=backend, **cfg.options()
+                )
                 prefix = res.prefix
                 prefixes.append(prefix)
                 statuses.append(getattr(res, "status", jnp.zeros((R,), jnp.int32)))

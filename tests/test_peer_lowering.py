@@ -34,23 +34,39 @@ def library(tmp_path_factory):
 def _entry(R, NB, has_delta, groups, reps, build):
     key = cute_manifest.make_key(R, NB, has_delta, groups, reps, False)
     tag = f"R{R}_NB{NB}_{int(has_delta)}_G{groups}_x{reps}_{build.tag}"
-    return dict(key=key, min_ctas=build.min_ctas, fold=build.fold, cubin=f"{tag}.cubin", entry=f"entry_{tag}",
-                dynamic_smem_bytes=20000 + groups, block=[128 if build.fold else 128 * groups, 1, 1],
-                cluster=[7, 1, 1], params=[".u64"] * 10 + [".f32", ".f32", ".u32", ".u32"])
+    return dict(
+        key=key,
+        min_ctas=build.min_ctas,
+        fold=build.fold,
+        cubin=f"{tag}.cubin",
+        entry=f"entry_{tag}",
+        dynamic_smem_bytes=20000 + groups,
+        block=[128 if build.fold else 128 * groups, 1, 1],
+        cluster=[7, 1, 1],
+        params=[".u64"] * 10 + [".f32", ".f32", ".u32", ".u32"],
+    )
 
 
 @pytest.fixture
 def gpu_mesh_here(tmp_path, monkeypatch, library):
     """A fake manifest (R = 2 and 4, both protocol builds, and the publish kernel), the library,
     and the CPU platform taken for CUDA: what mode="peer" checks before it lowers."""
-    kernels = [_entry(R, NB, d, g, x, b) for R in (2, 4) for NB, d in ((0, False), (8, True)) for g in (1, 2, 4)
-               for x in (0, 1) for b in cute_manifest.BUILDS]
+    kernels = [
+        _entry(R, NB, d, g, x, b)
+        for R in (2, 4)
+        for NB, d in ((0, False), (8, True))
+        for g in (1, 2, 4)
+        for x in (0, 1)
+        for b in cute_manifest.BUILDS
+    ]
     for e in kernels:
         (tmp_path / e["cubin"]).write_bytes(b"never opened by lowering")
-    publish = dict(cubin=cute_manifest.PUBLISH_CUBIN, entry="publish_entry", block=[128, 1, 1],
-                   params=peer.PUBLISH_PARAMS)
+    publish = dict(
+        cubin=cute_manifest.PUBLISH_CUBIN, entry="publish_entry", block=[128, 1, 1], params=peer.PUBLISH_PARAMS
+    )
     (tmp_path / publish["cubin"]).write_bytes(b"nor this")
     manifest = dict(arch="sm_90a", cutlass_dsl="4.8.1", H=H, kernels=kernels, publish=publish)
+    cute_manifest.seal(manifest, tmp_path)  # fingerprint of the installed sources, the fakes' sha256
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     monkeypatch.setenv("OPROJ_JAX_CUBIN_DIR", str(tmp_path))
     monkeypatch.setenv("OPROJ_JAX_FFI_LIBRARY", str(library))
@@ -93,17 +109,25 @@ def test_tp_consumer_lowers_to_one_peer_call_and_no_collective(gpu_mesh_here, R,
     T = 3
 
     def fn(*args):
-        return sharded.tp_consumer(*args, mesh=mesh, mode="peer", backend="cute", groups=groups, has_delta=False,
-                                   xmoe_replicas=reps)
+        return sharded.tp_consumer(
+            *args, mesh=mesh, mode="peer", backend="cute", groups=groups, has_delta=False, xmoe_replicas=reps
+        )
 
     text = _lower(fn, *_consumer_args(R, T, 0))
     (call,) = _peer_calls(text)
     _assert_no_collective(text)
     ordinals = ", ".join(str(d.local_hardware_id) for d in mesh.devices.flat)
-    for attribute in (f"group = dense<[{ordinals}]> : tensor<{R}xi64>", f"ranks = {R} : i64", "skip_rank = -1 : i32",
-                      f"spin_limit = {backend.DEFAULT_SPIN_LIMIT} : i32", "has_side_effect = true", "pdl = true",
-                      f"block = {128 * groups} : i64",  # the grouped (protocol) build, not ready mode's folded one
-                      f'entry = "entry_R{R}_NB0_0_G{groups}_x{reps}_m0"', 'publish_entry = "publish_entry"'):
+    for attribute in (
+        f"group = dense<[{ordinals}]> : tensor<{R}xi64>",
+        f"ranks = {R} : i64",
+        "skip_rank = -1 : i32",
+        f"spin_limit = {backend.DEFAULT_SPIN_LIMIT} : i32",
+        "has_side_effect = true",
+        "pdl = true",
+        f"block = {128 * groups} : i64",  # the grouped (protocol) build, not ready mode's folded one
+        f'entry = "entry_R{R}_NB0_0_G{groups}_x{reps}_m0"',
+        'publish_entry = "publish_entry"',
+    ):
         assert attribute in call, attribute
     # the partial goes to the call as XLA made it: the publish kernel sanitizes, not XLA
     assert "compare" not in text and "select" not in text
@@ -255,11 +279,13 @@ def test_the_peer_target_is_graph_safe_with_a_record_stage():
     assert stages == ffi.Stages("OprojPeerInitialize", "OprojPeerExecute", "OprojPeerRecord", True)
     names = list(ffi.SYMBOLS)
     i = names.index(ffi.PEER_TARGET)
-    for registration, (initialize, record, trait) in {"record": (None, "OprojPeerRecord", 1),
-                                                      "traced": ("OprojPeerInitialize", None, 1),
-                                                      "direct": (None, None, 0)}.items():
+    for registration, (initialize, record, trait) in {
+        "record": (None, "OprojPeerRecord", 1),
+        "traced": ("OprojPeerInitialize", None, 1),
+        "direct": (None, None, 0),
+    }.items():
         symbols, traits = ffi._stage_table(registration)
-        assert symbols[5 * i: 5 * i + 5] == [None, None, initialize, "OprojPeerExecute", record], registration
+        assert symbols[5 * i : 5 * i + 5] == [None, None, initialize, "OprojPeerExecute", record], registration
         assert traits[i] == trait, registration
 
 

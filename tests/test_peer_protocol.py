@@ -64,8 +64,17 @@ class Model:
     `frozen`: {rank: steps} - that rank stops after publishing that many steps (its consumer
     never runs again, as if its GPU hung)."""
 
-    def __init__(self, R: int, *, spin_limit: int, wait_for_empty: bool = True, read_after_rearm: bool = False,
-                 publish_waits: bool = True, skip_rank: int | None = None, frozen: dict | None = None):
+    def __init__(
+        self,
+        R: int,
+        *,
+        spin_limit: int,
+        wait_for_empty: bool = True,
+        read_after_rearm: bool = False,
+        publish_waits: bool = True,
+        skip_rank: int | None = None,
+        frozen: dict | None = None,
+    ):
         self.R, self.spin_limit = R, spin_limit
         self.wait_for_empty, self.read_after_rearm, self.publish_waits = wait_for_empty, read_after_rearm, publish_waits
         self.skip_rank, self.frozen = skip_rank, dict(frozen or {})
@@ -152,8 +161,9 @@ class Model:
         read-after-re-arm ablation) the late read."""
         k = self.consumed[r]
         if self.consumer[r] is None:
-            self.consumer[r] = [dict(phase="poll", latched={}, rounds=0, rearm=list(range(self.R)))
-                                for _ in range(FRAGMENTS)]
+            self.consumer[r] = [
+                dict(phase="poll", latched={}, rounds=0, rearm=list(range(self.R))) for _ in range(FRAGMENTS)
+            ]
         states = self.consumer[r]
         live = [f for f, s in enumerate(states) if s["phase"] != "done"]
         f = live[rng.integers(len(live))]
@@ -201,8 +211,9 @@ def _random_partials(rng, steps: int, R: int) -> np.ndarray:
 def _prefix(slots_bits: np.ndarray, x: dict, groups: int) -> np.ndarray:
     """The reference consumer (has_delta, NB=1) on a mailbox given as bits: the prefix bits."""
     mailbox = slots_bits.view(ml_dtypes.bfloat16)
-    out = api.consumer(mailbox, x["prefix"], x["blocks"], x["norm"], x["query"], x["out_norm"], groups=groups,
-                       backend="reference")
+    out = api.consumer(
+        mailbox, x["prefix"], x["blocks"], x["norm"], x["query"], x["out_norm"], groups=groups, backend="reference"
+    )
     return testing.bits(out.prefix)
 
 
@@ -265,13 +276,16 @@ def test_sanitizing_keeps_the_oneshot_bits(weights):
     partials = _random_partials(rng, 1, 3)[0]
     partials[:, 0, :8] = 0x8000  # every rank -0.0 at some elements
     for groups in (1, 2, 3):
-        np.testing.assert_array_equal(_prefix(_sanitized(partials), weights, groups), _prefix(partials, weights, groups))
+        np.testing.assert_array_equal(
+            _prefix(_sanitized(partials), weights, groups), _prefix(partials, weights, groups)
+        )
 
 
-@pytest.mark.parametrize("ablation", [dict(wait_for_empty=False), dict(read_after_rearm=True),
-                                      dict(publish_waits=False)],
-                         ids=["publish-without-wait-for-empty", "consumer-rearms-before-reading",
-                              "publish-without-griddepcontrol-wait"])
+@pytest.mark.parametrize(
+    "ablation",
+    [dict(wait_for_empty=False), dict(read_after_rearm=True), dict(publish_waits=False)],
+    ids=["publish-without-wait-for-empty", "consumer-rearms-before-reading", "publish-without-griddepcontrol-wait"],
+)
 def test_the_model_catches_a_broken_protocol(weights, ablation):
     """Each ablation lets some schedule overwrite a slot before its consumer read it, read a
     re-armed or later step's slot, or swap two steps' data: a step's bits differ (or a consumer

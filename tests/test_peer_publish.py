@@ -25,8 +25,12 @@ def ptx():
 
     args = publish.compile_args()
     with tempfile.TemporaryDirectory() as dump:
-        compiled = cute.compile(publish.Publish().launch, *args, make_fake_stream(),
-                                options=f"--gpu-arch {build.ARCH} --keep-ptx --dump-dir {dump}")
+        compiled = cute.compile(
+            publish.Publish().launch,
+            *args,
+            make_fake_stream(),
+            options=f"--gpu-arch {build.ARCH} --keep-ptx --dump-dir {dump}",
+        )
         return compiled.artifacts.PTX
 
 
@@ -47,8 +51,10 @@ def _body(ptx: str) -> list[str]:
 
 
 def _memory(line: str) -> bool:
-    return bool(re.match(r"(ld|st|atom|red)\.(global|relaxed|volatile|weak)", line)
-                or re.search(r"\b(ld|st|atom|red)\.[a-z.:0-9]*global", line))
+    return bool(
+        re.match(r"(ld|st|atom|red)\.(global|relaxed|volatile|weak)", line)
+        or re.search(r"\b(ld|st|atom|red)\.[a-z.:0-9]*global", line)
+    )
 
 
 def test_nothing_is_loaded_or_stored_before_griddepcontrol_wait(ptx):
@@ -68,7 +74,9 @@ def test_every_store_waits_for_an_empty_fragment(ptx):
     stores = [line for line in body if re.search(r"\bst\.[a-z.]*v4", line)]
     assert len(polls) == 16 and len(stores) == 16
     assert all("st.relaxed.sys.global.v4.b32" in s for s in stores)
-    poll_addresses = [re.search(r"ld\.relaxed\.sys\.global\.v4\.b32 \{[^}]*\}, \[(%rd\d+)\]", p).group(1) for p in polls]
+    poll_addresses = [
+        re.search(r"ld\.relaxed\.sys\.global\.v4\.b32 \{[^}]*\}, \[(%rd\d+)\]", p).group(1) for p in polls
+    ]
     for line in stores:
         address = re.search(r"@p st\.relaxed\.sys\.global\.v4\.b32 \[(%rd\d+)\]", line).group(1)
         assert address in poll_addresses, "a store to an address that was not polled"

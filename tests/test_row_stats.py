@@ -44,8 +44,7 @@ def test_gram_form_equals_the_mix_dots(nb):
     mix = e @ blocks
     gram = blocks @ blocks.T
     # the kernel's order: sum_i e_i (G_ii e_i + 2 sum_{j > i} G_ij e_j)
-    mix_mix = sum(e[i] * (gram[i, i] * e[i] + 2 * sum(gram[i, j] * e[j] for j in range(i + 1, nb)))
-                  for i in range(nb))
+    mix_mix = sum(e[i] * (gram[i, i] * e[i] + 2 * sum(gram[i, j] * e[j] for j in range(i + 1, nb))) for i in range(nb))
     np.testing.assert_allclose(mix_mix, mix @ mix, rtol=1e-12)
     np.testing.assert_allclose(e @ (blocks @ p), mix @ p, rtol=1e-12)
 
@@ -53,8 +52,9 @@ def test_gram_form_equals_the_mix_dots(nb):
 def test_stats_layout_indices():
     """Stats: G's upper triangle row by row, then b.w, b.p, p.p, p.w, all distinct and within
     the exchange stride; the kernel's per-lane formula for row i's first index matches."""
-    row_stats = pytest.importorskip("oproj_jax.cute.row_stats",
-                                    reason="CuTe DSL not importable (pip install oproj-jax[cute])")
+    row_stats = pytest.importorskip(
+        "oproj_jax.cute.row_stats", reason="CuTe DSL not importable (pip install oproj-jax[cute])"
+    )
     for nb in range(1, 9):
         s = row_stats.Stats(nb)
         gram = [s.gram(i, j) for i in range(nb) for j in range(i, nb)]

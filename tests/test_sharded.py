@@ -138,8 +138,10 @@ def test_a_kernel_backend_runs_sharded(mode):
     kernels interpreted concurrently on several devices fail at random ("Barrier remains
     allocated"); with 16 devices it also did not finish within 300 s here."""
     if jax.default_backend() != "cpu":
-        pytest.skip("the Pallas backend picks interpret mode from JAX's default backend, not the mesh's: "
-                    f"a CPU mesh under default backend {jax.default_backend()!r} would compile for the GPU")
+        pytest.skip(
+            "the Pallas backend picks interpret mode from JAX's default backend, not the mesh's: "
+            f"a CPU mesh under default backend {jax.default_backend()!r} would compile for the GPU"
+        )
     ranks = 1
     mesh2 = Mesh(np.array(jax.devices("cpu")[:ranks]), ("tp",))
     cfg = configs.Config(ranks, 1, 1, groups=1, H=SMALL_H)

@@ -30,37 +30,68 @@ def _int_list(text: str) -> list[int]:
 def parse_args(argv):
     from oproj_jax import configs
 
-    parser = argparse.ArgumentParser(prog="python -m oproj_jax.bench", description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=__doc__.split("\n", 1)[1])
-    parser.add_argument("--backends", default="all",
-                        help="comma-separated backend names from the registry, plus 'torch' and 'cute-graph'; 'all' (default) = every "
-                             "one that can run here")
-    parser.add_argument("--tokens", type=_int_list, default=None,
-                        help=f"token counts T (default {','.join(map(str, configs.BENCH_T))} on GPU, 1,8 on CPU)")
+    parser = argparse.ArgumentParser(
+        prog="python -m oproj_jax.bench",
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n", 1)[1],
+    )
+    parser.add_argument(
+        "--backends",
+        default="all",
+        help="comma-separated backend names from the registry, plus 'torch' and 'cute-graph'; 'all' (default) = every "
+        "one that can run here",
+    )
+    parser.add_argument(
+        "--tokens",
+        type=_int_list,
+        default=None,
+        help=f"token counts T (default {','.join(map(str, configs.BENCH_T))} on GPU, 1,8 on CPU)",
+    )
     parser.add_argument("--ranks", type=int, default=configs.TP, help="R, mailbox slots (default %(default)s)")
     parser.add_argument("--nb", type=int, default=8, help="completed blocks NB, 0..8 (default %(default)s)")
     parser.add_argument("--groups", type=int, default=4, help="rank-sum groups, 1..4 (default %(default)s)")
     parser.add_argument("--no-delta", action="store_true", help="has_delta=False (default: True)")
-    parser.add_argument("--reps", type=int, default=None, help="timed executions per chain length (default 20 GPU, 5 CPU)")
+    parser.add_argument(
+        "--reps", type=int, default=None, help="timed executions per chain length (default 20 GPU, 5 CPU)"
+    )
     parser.add_argument("--seed", type=int, default=None, help="input seed (default: from the clock)")
     parser.add_argument("--check", action="store_true", help="check each backend against the reference first")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiler cross-check (GPU)")
-    parser.add_argument("--l2-warm", action="store_true",
-                        help="diagnostic: every call reads the same input set (L2-warm when it fits); not a benchmark")
-    parser.add_argument("--decode-step", action="store_true",
-                        help="time a jitted decode step of --layers layers (o-proj GEMM, consumer, MoE stand-in) "
-                             "with and without the consumer (bench/decode_step.py)")
+    parser.add_argument(
+        "--l2-warm",
+        action="store_true",
+        help="diagnostic: every call reads the same input set (L2-warm when it fits); not a benchmark",
+    )
+    parser.add_argument(
+        "--decode-step",
+        action="store_true",
+        help="time a jitted decode step of --layers layers (o-proj GEMM, consumer, MoE stand-in) "
+        "with and without the consumer (bench/decode_step.py)",
+    )
     parser.add_argument("--layers", type=int, default=16, help="layers per decode step (default %(default)s)")
-    parser.add_argument("--tp", type=int, default=None, metavar="N",
-                        help="time the TP layer over N local GPUs: every mode x backend, per decode step (bench/tp.py)")
-    parser.add_argument("--registration", choices=("record", "traced", "direct"), default=None,
-                        help="diagnostic: how the cute targets meet XLA's command buffers "
-                             "(oproj_jax.cute.ffi.REGISTRATION; default record)")
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        metavar="N",
+        help="time the TP layer over N local GPUs: every mode x backend, per decode step (bench/tp.py)",
+    )
+    parser.add_argument(
+        "--registration",
+        choices=("record", "traced", "direct"),
+        default=None,
+        help="diagnostic: how the cute targets meet XLA's command buffers "
+        "(oproj_jax.cute.ffi.REGISTRATION; default record)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the records as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG: time vs T per backend, log-log, copy roofline")
     args = parser.parse_args(argv)
-    for name, value, lo, hi in (("--ranks", args.ranks, 1, None), ("--nb", args.nb, 0, 8), ("--groups", args.groups, 1, 4)):
+    for name, value, lo, hi in (
+        ("--ranks", args.ranks, 1, None),
+        ("--nb", args.nb, 0, 8),
+        ("--groups", args.groups, 1, 4),
+    ):
         if value < lo or (hi is not None and value > hi):
             parser.error(f"{name}: expected {lo}..{hi if hi is not None else 'inf'}, got {value}")
     if args.reps is not None and args.reps < 1:
@@ -107,19 +138,31 @@ def main(argv=None) -> int:
 
     tokens = args.tokens or (list(configs.BENCH_T) if platform == "gpu" else [1, 8])
     if platform != "gpu" and max(tokens) > 64 and any(b != "reference" for b in wanted):
-        print(f"note: on {platform}, kernels run interpreted: large T (max {max(tokens)}) will be slow", file=sys.stderr)
-    bench_configs = [configs.Config(args.ranks, t, args.nb, groups=args.groups, has_delta=not args.no_delta) for t in tokens]
+        print(
+            f"note: on {platform}, kernels run interpreted: large T (max {max(tokens)}) will be slow", file=sys.stderr
+        )
+    bench_configs = [
+        configs.Config(args.ranks, t, args.nb, groups=args.groups, has_delta=not args.no_delta) for t in tokens
+    ]
     reps = args.reps or (20 if platform == "gpu" else 5)
     seed = args.seed if args.seed is not None else int(time.time()) % 2**31
     profile = platform == "gpu" and not args.no_profile
 
-    records = [runner.header(seed, status, argv=list(sys.argv[1:] if argv is None else argv),
-                             registration=args.registration or "record")]
+    records = [
+        runner.header(
+            seed, status, argv=list(sys.argv[1:] if argv is None else argv), registration=args.registration or "record"
+        )
+    ]
     if args.decode_step:
         from oproj_jax.bench import decode_step
 
-        records += decode_step.run(wanted, tokens, layers=args.layers, reps=args.reps or 30,
-                                   log=lambda m: print(m, file=sys.stderr, flush=True))
+        records += decode_step.run(
+            wanted,
+            tokens,
+            layers=args.layers,
+            reps=args.reps or 30,
+            log=lambda m: print(m, file=sys.stderr, flush=True),
+        )
         print(report.decode_step_table(records))
         if args.json:
             report.write_json(records, args.json)

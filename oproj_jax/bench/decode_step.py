@@ -72,8 +72,20 @@ def layer(backend: str | None, attn, prefix, blocks, w):
         output = partial
     else:
         mailbox = jnp.concatenate([partial[None], w["others"]])  # [R, T, H]
-        res = api.consumer(mailbox, prefix, blocks, w["norm"], w["query"], w["out_norm"], eps=EPS, out_eps=EPS,
-                           has_delta=True, groups=4, xmoe_replicas=0, backend=backend)
+        res = api.consumer(
+            mailbox,
+            prefix,
+            blocks,
+            w["norm"],
+            w["query"],
+            w["out_norm"],
+            eps=EPS,
+            out_eps=EPS,
+            has_delta=True,
+            groups=4,
+            xmoe_replicas=0,
+            backend=backend,
+        )
         prefix, output = res.prefix, res.output
     up = jnp.dot(output, w["w_up"], preferred_element_type=f32)
     moe = jnp.dot(jax.nn.silu(up).astype(bf16), w["w_down"], preferred_element_type=f32).astype(bf16)
@@ -122,18 +134,33 @@ def run(backends, tokens, layers: int = 16, reps: int = 30, repeats: int = 5, lo
             without = step_fn(None, loop, layers)
             for backend in backends:
                 with_consumer = step_fn(backend, loop, layers)
-                pairs = [(time_steps(with_consumer, state, weights, reps), time_steps(without, state, weights, reps))
-                         for _ in range(repeats)]  # interleaved, so drifts hit both alike
+                pairs = [
+                    (time_steps(with_consumer, state, weights, reps), time_steps(without, state, weights, reps))
+                    for _ in range(repeats)
+                ]  # interleaved, so drifts hit both alike
                 t_with = statistics.median(p[0] for p in pairs)
                 t_without = statistics.median(p[1] for p in pairs)
-                record = dict(kind="decode_step", backend=backend, loop=loop, T=T, R=R, NB=NB, layers=layers,
-                              us_step=t_with, us_step_without_consumer=t_without,
-                              us_consumer_per_layer=(t_with - t_without) / layers,
-                              us_step_runs=[p[0] for p in pairs], us_without_runs=[p[1] for p in pairs],
-                              device=device, method=f"{reps} dependent steps dispatched back to back (prefix "
-                                                    f"donated), mean per step; median of {repeats} interleaved repeats")
+                record = dict(
+                    kind="decode_step",
+                    backend=backend,
+                    loop=loop,
+                    T=T,
+                    R=R,
+                    NB=NB,
+                    layers=layers,
+                    us_step=t_with,
+                    us_step_without_consumer=t_without,
+                    us_consumer_per_layer=(t_with - t_without) / layers,
+                    us_step_runs=[p[0] for p in pairs],
+                    us_without_runs=[p[1] for p in pairs],
+                    device=device,
+                    method=f"{reps} dependent steps dispatched back to back (prefix "
+                    f"donated), mean per step; median of {repeats} interleaved repeats",
+                )
                 records.append(record)
-                log(f"decode step T={T:4d} {loop:8s} {backend:9s} {t_with:8.1f} us/step, without consumer "
-                    f"{t_without:8.1f} -> consumer {record['us_consumer_per_layer']:6.2f} us/layer")
+                log(
+                    f"decode step T={T:4d} {loop:8s} {backend:9s} {t_with:8.1f} us/step, without consumer "
+                    f"{t_without:8.1f} -> consumer {record['us_consumer_per_layer']:6.2f} us/layer"
+                )
         del weights, state
     return records

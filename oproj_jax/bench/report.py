@@ -27,7 +27,9 @@ def derive(records: list[dict]) -> None:
         variant = {k: v for k, v in extra.items() if k not in ("kind", "variant")} | dict(kind=extra.get("variant"))
         copy.setdefault("variants", []).append(variant)
         if variant["gbps"] > copy["gbps"]:
-            copy.update(us=variant["us"], gbps=variant["gbps"], gbps_profiler=None, method=f"best of: {variant['method']}")
+            copy.update(
+                us=variant["us"], gbps=variant["gbps"], gbps_profiler=None, method=f"best of: {variant['method']}"
+            )
     copy_gbps = copy["gbps"] if copy else None
     timings = [r for r in records if r.get("kind") == "timing"]
     reference_us = {(r["T"], r["R"], r["NB"], r["groups"]): r["us"] for r in timings if r["backend"] == "reference"}
@@ -53,8 +55,10 @@ def timing_table(records: list[dict]) -> str:
         lines.append(f"copy bandwidth (roofline): {copy['gbps']:.0f} GB/s")
     if rows:
         r0 = rows[0]
-        lines.append(f"R={r0['R']} NB={r0['NB']} groups={r0['groups']} has_delta={r0.get('has_delta')}; "
-                     "bytes = configs.min_bytes (mailbox + prefix + blocks read, prefix + output written)")
+        lines.append(
+            f"R={r0['R']} NB={r0['NB']} groups={r0['groups']} has_delta={r0.get('has_delta')}; "
+            "bytes = configs.min_bytes (mailbox + prefix + blocks read, prefix + output written)"
+        )
     table = [head] + [
         (
             r["backend"],
@@ -85,13 +89,25 @@ def _render(table: list[tuple[str, ...]]) -> list[str]:
 
 def decode_step_table(records: list[dict]) -> str:
     """The decode-step records: step time with and without the consumer, its share per layer."""
-    rows = sorted((r for r in records if r.get("kind") == "decode_step"), key=lambda r: (r["T"], r["loop"], r["backend"]))
+    rows = sorted(
+        (r for r in records if r.get("kind") == "decode_step"), key=lambda r: (r["T"], r["loop"], r["backend"])
+    )
     head = ("backend", "loop", "T", "us/step", "us/step w/o", "us consumer/layer")
-    table = [head] + [(r["backend"], r["loop"], str(r["T"]), _fmt(r["us_step"], ".1f"),
-                       _fmt(r["us_step_without_consumer"], ".1f"), _fmt(r["us_consumer_per_layer"], ".2f"))
-                      for r in rows]
+    table = [head] + [
+        (
+            r["backend"],
+            r["loop"],
+            str(r["T"]),
+            _fmt(r["us_step"], ".1f"),
+            _fmt(r["us_step_without_consumer"], ".1f"),
+            _fmt(r["us_consumer_per_layer"], ".2f"),
+        )
+        for r in rows
+    ]
     layers = rows[0]["layers"] if rows else "?"
-    return "\n".join([f"decode step of {layers} layers (o-proj GEMM, consumer, MoE stand-in), one GPU"] + _render(table))
+    return "\n".join(
+        [f"decode step of {layers} layers (o-proj GEMM, consumer, MoE stand-in), one GPU"] + _render(table)
+    )
 
 
 def check_table(records: list[dict]) -> str:
@@ -120,8 +136,11 @@ def check_table(records: list[dict]) -> str:
 
 
 def skipped_lines(records: list[dict]) -> str:
-    return "\n".join(f"skipped {r['backend']}{' ' + r['what'] if r.get('what') else ''}: {r['reason']}"
-                     for r in records if r.get("kind") == "skipped")
+    return "\n".join(
+        f"skipped {r['backend']}{' ' + r['what'] if r.get('what') else ''}: {r['reason']}"
+        for r in records
+        if r.get("kind") == "skipped"
+    )
 
 
 def problem_lines(records: list[dict]) -> str:
@@ -157,8 +176,7 @@ def write_plot(records: list[dict], path: str) -> str | None:
     if copy and timings:
         by_t = {r["T"]: r["bytes"] for r in timings}
         ts = sorted(by_t)
-        ax.plot(ts, [by_t[t] / copy["gbps"] / 1e3 for t in ts], "k--",
-                label=f"copy roofline ({copy['gbps']:.0f} GB/s)")
+        ax.plot(ts, [by_t[t] / copy["gbps"] / 1e3 for t in ts], "k--", label=f"copy roofline ({copy['gbps']:.0f} GB/s)")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("tokens T")

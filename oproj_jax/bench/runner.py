@@ -46,8 +46,12 @@ def _version(module: str) -> str | None:
 
 def _driver() -> str | None:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
         return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -62,9 +66,14 @@ def _cubin_build() -> dict | None:
     except (OSError, ValueError):
         return None
     builds = sorted({manifest.entry_build(entry).tag for entry in built.get("kernels", [])})
-    return dict(dir=str(manifest.default_dir()), cutlass_dsl=built.get("cutlass_dsl"), builds=builds,
-                ready_build=manifest.build_for(1, True).tag, large_t=manifest.LARGE_T,
-                kernels=len(built.get("kernels", [])))
+    return dict(
+        dir=str(manifest.default_dir()),
+        cutlass_dsl=built.get("cutlass_dsl"),
+        builds=builds,
+        ready_build=manifest.build_for(1, True).tag,
+        large_t=manifest.LARGE_T,
+        kernels=len(built.get("kernels", [])),
+    )
 
 
 def header(seed: int, status: dict[str, str | None], **extra) -> dict:
@@ -94,8 +103,13 @@ def header(seed: int, status: dict[str, str | None], **extra) -> dict:
 
 
 def _options(config: configs.Config) -> dict:
-    return dict(eps=bench_timing.EPS, out_eps=bench_timing.EPS, has_delta=config.has_delta, groups=config.groups,
-                xmoe_replicas=config.xmoe_replicas)
+    return dict(
+        eps=bench_timing.EPS,
+        out_eps=bench_timing.EPS,
+        has_delta=config.has_delta,
+        groups=config.groups,
+        xmoe_replicas=config.xmoe_replicas,
+    )
 
 
 def _dims(config: configs.Config) -> api.Dims:
@@ -132,9 +146,11 @@ def run_checks(backends: list[str], config_list, cases: bench_inputs.HostCases) 
             if name == "reference":
                 reference_prefix = prefix
             records.append(record)
-            log(f"check {n + 1}/{len(config_list)} {config.name:24s} {name:10s} prefix!=ref {record['prefix_mismatch']} "
+            log(
+                f"check {n + 1}/{len(config_list)} {config.name:24s} {name:10s} prefix!=ref {record['prefix_mismatch']} "
                 f"!=model {record['prefix_mismatch_model']}  rel_l2 {record['out_rel_l2']:.2e}  "
-                f"nonfinite {record['out_nonfinite']}  {'ok' if record['ok'] else 'FAIL'}")
+                f"nonfinite {record['out_nonfinite']}  {'ok' if record['ok'] else 'FAIL'}"
+            )
         gc.collect()
     return records
 
@@ -147,24 +163,63 @@ def run_copy(platform: str, reps: int, profile: bool) -> dict:
     variants = []
     for r in results:
         gbps_profiler = r.bytes_per_copy / r.us_profiler / 1e3 if r.us_profiler else None
-        log(f"copy {r.kind}: {r.gbps:.0f} GB/s ({r.us:.1f} us per {r.bytes_per_copy / 2**20:.0f} MiB moved, "
-            f"noise ~{r.noise_us:.1f} us)" + (f"; profiler {gbps_profiler:.0f} GB/s" if gbps_profiler else ""))
-        variants.append(dict(kind=r.kind, us=r.us, gbps=r.gbps, noise_us=r.noise_us, us_profiler=r.us_profiler,
-                             gbps_profiler=gbps_profiler, profiler_note=r.profiler_note, method=r.method))
+        log(
+            f"copy {r.kind}: {r.gbps:.0f} GB/s ({r.us:.1f} us per {r.bytes_per_copy / 2**20:.0f} MiB moved, "
+            f"noise ~{r.noise_us:.1f} us)" + (f"; profiler {gbps_profiler:.0f} GB/s" if gbps_profiler else "")
+        )
+        variants.append(
+            dict(
+                kind=r.kind,
+                us=r.us,
+                gbps=r.gbps,
+                noise_us=r.noise_us,
+                us_profiler=r.us_profiler,
+                gbps_profiler=gbps_profiler,
+                profiler_note=r.profiler_note,
+                method=r.method,
+            )
+        )
     best = max(variants, key=lambda v: v["gbps"])
-    return dict(kind="copy", device=device_name(), date=today(), bytes=results[0].bytes_per_copy, us=best["us"],
-                gbps=best["gbps"], gbps_profiler=best["gbps_profiler"], method=f"best of: {best['method']}",
-                variants=variants)
+    return dict(
+        kind="copy",
+        device=device_name(),
+        date=today(),
+        bytes=results[0].bytes_per_copy,
+        us=best["us"],
+        gbps=best["gbps"],
+        gbps_profiler=best["gbps_profiler"],
+        method=f"best of: {best['method']}",
+        variants=variants,
+    )
 
 
 def _timing_record(name: str, config: configs.Config, t) -> dict:
     return dict(
-        kind="timing", backend=name, T=config.T, R=config.R, NB=config.NB, groups=config.groups,
-        has_delta=config.has_delta, config=config.name, us=t.us, device=device_name(), date=today(),
-        bytes=configs.min_bytes(config), method=t.method, k1=t.k1, k2=t.k2, reps=t.reps, n_sets=t.n_sets,
-        t_k1_us=t.t_k1_us, t_k2_us=t.t_k2_us, noise_us=t.noise_us, us_profiler=t.us_profiler,
-        us_kernels=t.us_profiler_kernels, us_busy=t.us_profiler_busy,
-        profiler_note=t.profiler_note, us_profiler_single=t.us_profiler_single,
+        kind="timing",
+        backend=name,
+        T=config.T,
+        R=config.R,
+        NB=config.NB,
+        groups=config.groups,
+        has_delta=config.has_delta,
+        config=config.name,
+        us=t.us,
+        device=device_name(),
+        date=today(),
+        bytes=configs.min_bytes(config),
+        method=t.method,
+        k1=t.k1,
+        k2=t.k2,
+        reps=t.reps,
+        n_sets=t.n_sets,
+        t_k1_us=t.t_k1_us,
+        t_k2_us=t.t_k2_us,
+        noise_us=t.noise_us,
+        us_profiler=t.us_profiler,
+        us_kernels=t.us_profiler_kernels,
+        us_busy=t.us_profiler_busy,
+        profiler_note=t.profiler_note,
+        us_profiler_single=t.us_profiler_single,
         profiler_single_note=t.profiler_single_note,
     )
 
@@ -175,14 +230,24 @@ def _log_timing(name: str, config: configs.Config, t) -> None:
         kernels = f", kernels {t.us_profiler_kernels:.2f}" if t.us_profiler_kernels is not None else ""
         kernels += f", busy {t.us_profiler_busy:.2f}" if t.us_profiler_busy is not None else ""
         profiler = f"  (profiler {t.us_profiler:.1f}{kernels})"
-    log(f"time T={config.T:5d} {name:10s} {t.us:9.1f} us/call" + profiler
+    log(
+        f"time T={config.T:5d} {name:10s} {t.us:9.1f} us/call"
+        + profiler
         + (f"  (1-call jit profiler {t.us_profiler_single:.1f})" if t.us_profiler_single is not None else "")
         + f"  [t(K1)={t.t_k1_us:.0f} t(K2)={t.t_k2_us:.0f} us, noise ~{t.noise_us:.1f} us/call]"
-        + ("  WARNING: not above the noise, raise --reps" if t.us <= 2 * t.noise_us else ""))
+        + ("  WARNING: not above the noise, raise --reps" if t.us <= 2 * t.noise_us else "")
+    )
 
 
-def run_timings(backends: list[str], config_list, cases: bench_inputs.HostCases, platform: str, reps: int,
-                profile: bool, l2_warm: bool = False) -> list[dict]:
+def run_timings(
+    backends: list[str],
+    config_list,
+    cases: bench_inputs.HostCases,
+    platform: str,
+    reps: int,
+    profile: bool,
+    l2_warm: bool = False,
+) -> list[dict]:
     """JAX backends first, T by T; then the torch baseline in its own process (its CUDA graphs
     and profiler must not share a process with JAX: CUPTI takes one subscriber, and a failed
     capture poisons the other library's stream)."""
@@ -198,7 +263,10 @@ def run_timings(backends: list[str], config_list, cases: bench_inputs.HostCases,
         except Exception as err:
             records.append(_error(",".join(jax_names), f"inputs {config.name}", err))
             continue
-        log(f"T={config.T}: K1={k1} K2={k2}, {pool.n_sets} distinct input sets on device" + (" (L2-WARM)" if l2_warm else ""))
+        log(
+            f"T={config.T}: K1={k1} K2={k2}, {pool.n_sets} distinct input sets on device"
+            + (" (L2-WARM)" if l2_warm else "")
+        )
         for name in jax_names:
             reason = bench_backends.unsupported_reason(name, _dims(config), _options(config))
             if reason:
@@ -221,8 +289,9 @@ def run_timings(backends: list[str], config_list, cases: bench_inputs.HostCases,
     return records
 
 
-def run_torch_timings(names: list[str], config_list, cases: bench_inputs.HostCases, platform: str, reps: int,
-                      profile: bool) -> list[dict]:
+def run_torch_timings(
+    names: list[str], config_list, cases: bench_inputs.HostCases, platform: str, reps: int, profile: bool
+) -> list[dict]:
     """`names` (bench_backends.TORCH_PROCESS) timed in one PyTorch process through CUDA graphs."""
     import concurrent.futures
     import multiprocessing
@@ -241,7 +310,9 @@ def run_torch_timings(names: list[str], config_list, cases: bench_inputs.HostCas
             if isinstance(variant, str):
                 log(f"torch copy bandwidth not measured: {variant}")
             else:
-                log(f"copy torch: {variant['gbps']:.0f} GB/s ({variant['us']:.1f} us, noise ~{variant['noise_us']:.1f} us)")
+                log(
+                    f"copy torch: {variant['gbps']:.0f} GB/s ({variant['us']:.1f} us, noise ~{variant['noise_us']:.1f} us)"
+                )
                 records.append({**variant, "kind": "copy_variant", "variant": variant["kind"]})
         for config in config_list:
             k1, k2 = bench_timing.chain_lengths(config, platform)
@@ -250,8 +321,16 @@ def run_torch_timings(names: list[str], config_list, cases: bench_inputs.HostCas
                 if reason:
                     records.append(_skip(name, f"timing {config.name}", reason))
                     continue
-                future = pool.submit(torch_timing.time_safe, name, cases.get(config), k1, k2, reps,
-                                     l2_bytes=bench_timing.l2_bytes(platform), profile=profile)
+                future = pool.submit(
+                    torch_timing.time_safe,
+                    name,
+                    cases.get(config),
+                    k1,
+                    k2,
+                    reps,
+                    l2_bytes=bench_timing.l2_bytes(platform),
+                    profile=profile,
+                )
                 try:
                     t = future.result()
                 except Exception as err:  # the process died

@@ -82,7 +82,9 @@ def chain_lengths(config: configs.Config, platform: str) -> tuple[int, int]:
 def consumer_step(backend: str, config: configs.Config):
     """One consumer call of `backend` as a jitted function of the six arrays (lowered once,
     reused by every call site of a chain)."""
-    options = dict(eps=EPS, out_eps=EPS, has_delta=config.has_delta, groups=config.groups, xmoe_replicas=config.xmoe_replicas)
+    options = dict(
+        eps=EPS, out_eps=EPS, has_delta=config.has_delta, groups=config.groups, xmoe_replicas=config.xmoe_replicas
+    )
     return jax.jit(functools.partial(api.consumer, backend=backend, **options))
 
 
@@ -129,8 +131,9 @@ def mad(values) -> float:
     return statistics.median(abs(v - m) for v in values)
 
 
-def slope(fn1, fn2, args_of, k1: int, k2: int, reps: int, warmup: int = 2,
-          pipelined: int = 0) -> tuple[float, float, float, float]:
+def slope(
+    fn1, fn2, args_of, k1: int, k2: int, reps: int, warmup: int = 2, pipelined: int = 0
+) -> tuple[float, float, float, float]:
     """(per-call us, median t(K1) us, median t(K2) us, noise us); K1 and K2 executions
     interleaved, each on the next argument set of args_of(i). noise = (MAD(t1) + MAD(t2)) /
     (K2 - K1): a rough per-call uncertainty of the slope.
@@ -158,16 +161,18 @@ def slope(fn1, fn2, args_of, k1: int, k2: int, reps: int, warmup: int = 2,
     return (m2 - m1) / (k2 - k1), m1, m2, (mad(t1) + mad(t2)) / (k2 - k1)
 
 
-def time_backend(backend: str, pool: bench_inputs.DevicePool, config: configs.Config, k1: int, k2: int,
-                 reps: int, profile: bool) -> Timing:
+def time_backend(
+    backend: str, pool: bench_inputs.DevicePool, config: configs.Config, k1: int, k2: int, reps: int, profile: bool
+) -> Timing:
     step = consumer_step(backend, config)
     fn1 = consumer_chain(step, k1, f"chain_{backend}_T{config.T}_K{k1}")
     fn2 = consumer_chain(step, k2, f"chain_{backend}_T{config.T}_K{k2}")
     us, m1, m2, noise = slope(fn1, fn2, pool.args, k1, k2, reps)
     timing = Timing(us, k1, k2, reps, pool.n_sets, m1, m2, noise)
     if profile:
-        (timing.us_profiler, timing.profiler_note, timing.us_profiler_kernels,
-         timing.us_profiler_busy) = profiled_us_per_call(fn2, pool.args, k2)
+        (timing.us_profiler, timing.profiler_note, timing.us_profiler_kernels, timing.us_profiler_busy) = (
+            profiled_us_per_call(fn2, pool.args, k2)
+        )
         timing.us_profiler_single, timing.profiler_single_note, _, _ = profiled_single_us(step, pool)
     return timing
 
@@ -329,7 +334,7 @@ def copy_bandwidth(platform: str, reps: int, profile: bool, kinds=("d2d", "xor")
     make = jax.jit(lambda i: jnp.full((size // 4,), i, jnp.uint32) * jnp.arange(size // 4, dtype=jnp.uint32))
     lists = [tuple(make(jnp.uint32(7 + j * k2 + i)) for i in range(k2)) for j in range(n_lists)]
     jax.block_until_ready(lists)
-    args_of = lambda i: (lists[i % n_lists],)
+    args_of = lambda i: (lists[i % n_lists],)  # noqa: F821 (lists is deleted after its last use)
     results = []
     for kind in kinds:
         fn1, fn2 = copy_chain(k1, kind), copy_chain(k2, kind)

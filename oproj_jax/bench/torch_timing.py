@@ -51,7 +51,7 @@ def graph_timing(torch, chain, lists, k1: int, k2: int, reps: int, profile: bool
     def replay_us(k, j) -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graphs[k, j % n_lists].replay()
+        graphs[k, j % n_lists].replay()  # noqa: F821 (deleted after its last use)
         end.record()
         end.synchronize()
         return start.elapsed_time(end) * 1e3
@@ -83,8 +83,14 @@ def graph_timing(torch, chain, lists, k1: int, k2: int, reps: int, profile: bool
 def _device_lists(torch, case, k2: int, l2_bytes: int):
     base = {name: _to_cuda(torch, case.inputs[name]) for name in ("mailbox", "blocks", "prefix", *bench_inputs.WEIGHTS)}
     weights = [base[name] for name in bench_inputs.WEIGHTS]
-    lists = [([base["mailbox"].clone() for _ in range(k2)], [base["blocks"].clone() for _ in range(k2)], base["prefix"].clone())
-             for _ in range(_n_lists(case.config, k2, l2_bytes))]
+    lists = [
+        (
+            [base["mailbox"].clone() for _ in range(k2)],
+            [base["blocks"].clone() for _ in range(k2)],
+            base["prefix"].clone(),
+        )
+        for _ in range(_n_lists(case.config, k2, l2_bytes))
+    ]
     return base, weights, lists
 
 
@@ -94,7 +100,9 @@ def time_torch(case: bench_inputs.HostCase, k1: int, k2: int, reps: int, *, l2_b
     from oproj_jax import torch_ref
 
     config = case.config
-    options = dict(eps=EPS, out_eps=EPS, has_delta=config.has_delta, groups=config.groups, xmoe_replicas=config.xmoe_replicas)
+    options = dict(
+        eps=EPS, out_eps=EPS, has_delta=config.has_delta, groups=config.groups, xmoe_replicas=config.xmoe_replicas
+    )
     base, weights, lists = _device_lists(torch, case, k2, l2_bytes)
 
     def chain(k, mailboxes, blocks, prefix):
@@ -110,7 +118,9 @@ def time_torch(case: bench_inputs.HostCase, k1: int, k2: int, reps: int, *, l2_b
     return timing
 
 
-def time_cute_graph(case: bench_inputs.HostCase, k1: int, k2: int, reps: int, *, l2_bytes: int, profile: bool) -> Timing:
+def time_cute_graph(
+    case: bench_inputs.HostCase, k1: int, k2: int, reps: int, *, l2_bytes: int, profile: bool
+) -> Timing:
     """The CuTe cubin (ready mode, as backend="cute" runs it) launched through the driver API
     (cute/driver_launch.py) into CUDA graphs: the kernel's device time without XLA's host
     launch per call. Checked first: one launch's prefix must equal torch_ref's bits."""
@@ -122,8 +132,14 @@ def time_cute_graph(case: bench_inputs.HostCase, k1: int, k2: int, reps: int, *,
     config = case.config
     if config.twoshot:
         raise ValueError("cute-graph times the oneshot kernel only")
-    key = backend.kernel_key(config.R, config.NB, has_delta=config.has_delta, groups=config.groups,
-                             xmoe_replicas=config.xmoe_replicas, twoshot=False)
+    key = backend.kernel_key(
+        config.R,
+        config.NB,
+        has_delta=config.has_delta,
+        groups=config.groups,
+        xmoe_replicas=config.xmoe_replicas,
+        twoshot=False,
+    )
     T, H, reps_x = config.T, config.H, config.xmoe_replicas
     launch = driver_launch.torch_launcher(backend._kernel(key, T, ready=True))
     base, weights, lists = _device_lists(torch, case, k2, l2_bytes)
@@ -132,17 +148,33 @@ def time_cute_graph(case: bench_inputs.HostCase, k1: int, k2: int, reps: int, *,
     def call(mailbox, prefix, blocks):  # prefix updated in place; returns (output, xmoe)
         output = torch.empty((T, H), dtype=torch.bfloat16, device="cuda")
         xmoe = torch.empty((max(reps_x, 1), T, H), dtype=torch.bfloat16, device="cuda")
-        pointers = [mailbox.data_ptr(), prefix.data_ptr(), blocks.data_ptr(), *(w.data_ptr() for w in weights),
-                    output.data_ptr(), xmoe.data_ptr(), flags.data_ptr() + 4, flags.data_ptr()]
+        pointers = [
+            mailbox.data_ptr(),
+            prefix.data_ptr(),
+            blocks.data_ptr(),
+            *(w.data_ptr() for w in weights),
+            output.data_ptr(),
+            xmoe.data_ptr(),
+            flags.data_ptr() + 4,
+            flags.data_ptr(),
+        ]
         launch(T, pointers, EPS, EPS, backend.READY_SPIN_LIMIT)
         return output, xmoe
 
     # check: one launch against the torch reference (prefix bits; output to bf16 rounding)
     prefix = base["prefix"].clone()
     output, _ = call(base["mailbox"], prefix, base["blocks"])
-    want_prefix, want_output, _ = torch_ref.consumer(base["mailbox"], base["prefix"], base["blocks"], *weights,
-                                                     eps=EPS, out_eps=EPS, has_delta=config.has_delta,
-                                                     groups=config.groups, xmoe_replicas=0)
+    want_prefix, want_output, _ = torch_ref.consumer(
+        base["mailbox"],
+        base["prefix"],
+        base["blocks"],
+        *weights,
+        eps=EPS,
+        out_eps=EPS,
+        has_delta=config.has_delta,
+        groups=config.groups,
+        xmoe_replicas=0,
+    )
     torch.cuda.synchronize()
     if not torch.equal(prefix.view(torch.int16), want_prefix.view(torch.int16)):
         raise RuntimeError(f"cute-graph {config.name}: prefix bits differ from torch_ref")
@@ -156,8 +188,10 @@ def time_cute_graph(case: bench_inputs.HostCase, k1: int, k2: int, reps: int, *,
     timing = graph_timing(torch, chain, lists, k1, k2, reps, profile, "kernel launches (cuda-python, PDL)")
     timing.method_text += f"; checked first: prefix bits == torch_ref, output rel L2 {err:.1e}"
     if timing.profiler_note:  # PDL: each launch starts early and waits in griddepcontrol.wait
-        timing.profiler_note += ("; the kernels of a PDL chain overlap, so their summed durations exceed the "
-                                 "chain's wall time: use the slope")
+        timing.profiler_note += (
+            "; the kernels of a PDL chain overlap, so their summed durations exceed the "
+            "chain's wall time: use the slope"
+        )
     del lists, base
     torch.cuda.empty_cache()
     return timing
@@ -176,7 +210,7 @@ def copy_bandwidth(reps: int, size: int = 512 * 2**20, k1: int = 2, k2: int = 8)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for i in range(k):
-            dsts[j % 2][i].copy_(srcs[j % 2][i])
+            dsts[j % 2][i].copy_(srcs[j % 2][i])  # noqa: F821 (deleted after their last use)
         end.record()
         end.synchronize()
         return start.elapsed_time(end) * 1e3
@@ -191,9 +225,14 @@ def copy_bandwidth(reps: int, size: int = 512 * 2**20, k1: int = 2, k2: int = 8)
     us = (m2 - m1) / (k2 - k1)
     del srcs, dsts
     torch.cuda.empty_cache()
-    return dict(kind="torch", us=us, gbps=2 * size / us / 1e3, noise_us=(mad(t1) + mad(t2)) / (k2 - k1),
-                method=f"torch dst.copy_(src) of {size // 2**20} MiB buffers between CUDA events (bytes counted: "
-                       f"read + write), slope K1={k1}, K2={k2}, median of {reps}")
+    return dict(
+        kind="torch",
+        us=us,
+        gbps=2 * size / us / 1e3,
+        noise_us=(mad(t1) + mad(t2)) / (k2 - k1),
+        method=f"torch dst.copy_(src) of {size // 2**20} MiB buffers between CUDA events (bytes counted: "
+        f"read + write), slope K1={k1}, K2={k2}, median of {reps}",
+    )
 
 
 def copy_bandwidth_safe(reps: int) -> dict | str:

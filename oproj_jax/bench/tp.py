@@ -37,9 +37,18 @@ from oproj_jax.cute import peer
 from oproj_jax.sharded import tp_consumer
 
 # most important first: a stage cut short by its time limit still has the comparison of record
-COMBOS = (("peer", "cute"), ("psum", "reference"), ("oneshot", "cute"), ("oneshot", "reference"),
-          ("twoshot", "cute"), ("psum", "cute"), ("oneshot", "pallas"), ("twoshot", "pallas"), ("psum", "pallas"),
-          ("twoshot", "reference"))
+COMBOS = (
+    ("peer", "cute"),
+    ("psum", "reference"),
+    ("oneshot", "cute"),
+    ("oneshot", "reference"),
+    ("twoshot", "cute"),
+    ("psum", "cute"),
+    ("oneshot", "pallas"),
+    ("twoshot", "pallas"),
+    ("psum", "pallas"),
+    ("twoshot", "reference"),
+)
 DEFAULT_TOKENS = (1, 8, 64)
 NB, GROUPS = 8, 4
 K1, K2 = 4, 20  # chain lengths: 16 steps between them (~100 us at T=1)
@@ -58,8 +67,9 @@ def _chain(mesh, mode: str, backend: str, k: int, config: configs.Config):
     def chain(partials, blocks, prefix, norm, query, out_norm):
         outputs, statuses = [], []
         for i in range(k):
-            res = tp_consumer(partials[i], prefix, blocks[i], norm, query, out_norm, mesh=mesh, mode=mode,
-                              backend=backend, **options)
+            res = tp_consumer(
+                partials[i], prefix, blocks[i], norm, query, out_norm, mesh=mesh, mode=mode, backend=backend, **options
+            )
             prefix = res.prefix
             outputs.append(res.output)
             statuses.append(res.status if mode == "peer" else jnp.zeros((config.R,), jnp.int32))
@@ -82,8 +92,9 @@ def _inputs(mesh, config: configs.Config, seed: int):
     for j in range(N_LISTS):
         partials = [put(partial, jnp.float32(j * K2 + i)) for i in range(K2)]
         block_sets = [put(blocks, jnp.float32(j * K2 + i)) for i in range(K2)]
-        lists.append((partials, block_sets,
-                      *(jax.device_put(x[k], replicated) for k in ("prefix", "norm", "query", "out_norm"))))
+        lists.append(
+            (partials, block_sets, *(jax.device_put(x[k], replicated) for k in ("prefix", "norm", "query", "out_norm")))
+        )
     jax.block_until_ready(lists)
     return lambda i: lists[i % N_LISTS]
 
@@ -98,12 +109,31 @@ def time_combo(mesh, mode: str, backend: str, config: configs.Config, reps: int,
     if profile:
         _, note, kernels, _ = timing.profiled_us_per_call(fn2, args_of, K2)
         us_kernels = None if kernels is None else kernels / config.R
-    return dict(kind="timing", backend=backend, mode=mode, gpus=config.R, T=config.T, R=config.R, NB=config.NB,
-                groups=config.groups, has_delta=config.has_delta, us=us, us_kernels=us_kernels, noise_us=noise,
-                t_k1_us=t1, t_k2_us=t2, k1=K1, k2=K2, reps=reps, device=jax.devices()[0].device_kind, record=True,
-                profiler_note=note, date=datetime.date.today().isoformat(),
-                method=f"slope of unrolled jitted chains of dependent TP steps, K1={K1}, K2={K2}, median of {reps} "
-                       f"executions each, {N_LISTS} input lists alternated")
+    return dict(
+        kind="timing",
+        backend=backend,
+        mode=mode,
+        gpus=config.R,
+        T=config.T,
+        R=config.R,
+        NB=config.NB,
+        groups=config.groups,
+        has_delta=config.has_delta,
+        us=us,
+        us_kernels=us_kernels,
+        noise_us=noise,
+        t_k1_us=t1,
+        t_k2_us=t2,
+        k1=K1,
+        k2=K2,
+        reps=reps,
+        device=jax.devices()[0].device_kind,
+        record=True,
+        profiler_note=note,
+        date=datetime.date.today().isoformat(),
+        method=f"slope of unrolled jitted chains of dependent TP steps, K1={K1}, K2={K2}, median of {reps} "
+        f"executions each, {N_LISTS} input lists alternated",
+    )
 
 
 def _write(records, json_path) -> None:
@@ -112,14 +142,22 @@ def _write(records, json_path) -> None:
             json.dump(records, f, indent=1)
 
 
-def run(n_ranks: int, tokens=DEFAULT_TOKENS, reps: int = 7, json_path: str | None = None, *,
-        combos=COMBOS, profile: bool = True) -> list[dict]:
+def run(
+    n_ranks: int,
+    tokens=DEFAULT_TOKENS,
+    reps: int = 7,
+    json_path: str | None = None,
+    *,
+    combos=COMBOS,
+    profile: bool = True,
+) -> list[dict]:
     """Times every (mode, backend) of `combos` at every T of `tokens` on the first `n_ranks`
     GPUs; returns the records (also written to `json_path` after each one)."""
     gpus = jax.devices()
     if gpus[0].platform != "gpu" or len(gpus) < n_ranks:
-        raise RuntimeError(f"--tp {n_ranks}: needs {n_ranks} GPUs in this process, found {len(gpus)} "
-                           f"{gpus[0].platform} device(s)")
+        raise RuntimeError(
+            f"--tp {n_ranks}: needs {n_ranks} GPUs in this process, found {len(gpus)} {gpus[0].platform} device(s)"
+        )
     mesh = Mesh(np.array(gpus[:n_ranks]), ("tp",))
     records = []
     for mode, backend in combos:
@@ -130,8 +168,16 @@ def run(n_ranks: int, tokens=DEFAULT_TOKENS, reps: int = 7, json_path: str | Non
                 record = time_combo(mesh, mode, backend, config, reps, profile)
                 log(f"{what}: {record['us']:.2f} us/step (kernels {record['us_kernels']})")
             except Exception as err:  # one failed combination must not end the run
-                record = dict(kind="error", backend=backend, mode=mode, T=T, gpus=n_ranks, record=True,
-                              what=f"timing {what}", error=f"{type(err).__name__}: {err}"[:2000])
+                record = dict(
+                    kind="error",
+                    backend=backend,
+                    mode=mode,
+                    T=T,
+                    gpus=n_ranks,
+                    record=True,
+                    what=f"timing {what}",
+                    error=f"{type(err).__name__}: {err}"[:2000],
+                )
                 log(f"{what}: {record['error'][:300]}")
             records.append(record)
             _write(records, json_path)

@@ -35,14 +35,19 @@ class DriverLaunch:
         self.module = check(cu.cuModuleLoadData(self.image), "cuModuleLoadData")
         self.fn = check(cu.cuModuleGetFunction(self.module, kernel.entry.encode()), "cuModuleGetFunction")
         attr = cu.CUfunction_attribute
-        check(cu.cuFuncSetAttribute(self.fn, attr.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, kernel.smem),
-              "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")
-        check(cu.cuFuncSetAttribute(self.fn, attr.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1),
-              "cuFuncSetAttribute(NON_PORTABLE_CLUSTER_SIZE_ALLOWED)")
+        check(
+            cu.cuFuncSetAttribute(self.fn, attr.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, kernel.smem),
+            "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)",
+        )
+        check(
+            cu.cuFuncSetAttribute(self.fn, attr.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1),
+            "cuFuncSetAttribute(NON_PORTABLE_CLUSTER_SIZE_ALLOWED)",
+        )
         self._keep = ()  # the last launch's parameter values
 
-    def __call__(self, stream: int, T: int, pointers, eps: float, out_eps: float, spin_limit: int,
-                 twoshot=None) -> None:
+    def __call__(
+        self, stream: int, T: int, pointers, eps: float, out_eps: float, spin_limit: int, twoshot=None
+    ) -> None:
         """Launch on `stream` (a CUstream handle as an int). `pointers`: the 10 device
         addresses of cute/ABI.md; `twoshot`: (recv, gather, me) or None."""
         cu = self.cu

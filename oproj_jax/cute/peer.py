@@ -73,7 +73,7 @@ STATUS_UNARMED = 4  # the publish kernel: a peer never re-armed its slot (publis
 _STATUS = {
     STATUS_EMPTY_SLOT: "a mailbox slot stayed empty: a rank did not publish its partial in time",
     STATUS_UNARMED: "a peer never re-armed its slot: its consumer of the previous step did not run in time, so "
-                    "this rank's partial was not stored there",
+    "this rank's partial was not stored there",
 }
 # cute/publish.py PUBLISH_PARAMS: src, dest_0..15, n_dest, flags, fragments, spin_limit, control
 PUBLISH_PARAMS = [".u64"] * (1 + MAX_RANKS) + [".u32", ".u64", ".u32", ".u32", ".u64"]
@@ -124,9 +124,14 @@ def _publish_kernel() -> tuple[str, str]:
     manifest = parsed[0]
     entry = cute_manifest.find_publish(manifest)
     if entry is None or entry.get("params") != PUBLISH_PARAMS:
-        raise ValueError(f"the manifest in {where} has no (current) publish kernel for mode='peer'; rebuild the "
-                         f"cubins with `{backend.BUILD_COMMAND}`")
-    return str(cute_manifest.cubin_path(manifest, entry)), entry["entry"]
+        raise ValueError(
+            f"the manifest in {where} has no (current) publish kernel for mode='peer'; rebuild the "
+            f"cubins with `{backend.BUILD_COMMAND}`"
+        )
+    stale = cute_manifest.stale_reason(manifest)
+    if stale:
+        raise ValueError(stale)
+    return str(cute_manifest.verified_cubin_path(manifest, entry, backend.BUILD_COMMAND)), entry["entry"]
 
 
 def unavailable_reason(platform: str) -> str | None:
@@ -145,8 +150,9 @@ def unsupported_reason(dims: Dims, *, has_delta: bool, groups: int, xmoe_replica
     """Why mode="peer" cannot serve one rank's view `dims` (R = the group's size), or None."""
     if dims.R > MAX_RANKS:
         return f"mode='peer' serves groups of up to {MAX_RANKS} ranks, got R = {dims.R}"
-    return backend.unsupported_reason(dims, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas,
-                                      ready=False)
+    return backend.unsupported_reason(
+        dims, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas, ready=False
+    )
 
 
 def group_table(mesh, axis_name: str) -> tuple[tuple[int, ...], ...]:
@@ -160,7 +166,8 @@ def group_table(mesh, axis_name: str) -> tuple[tuple[int, ...], ...]:
         raise ValueError(
             f"mesh: mode='peer' needs every device of the mesh in this process (one process driving all local "
             f"GPUs); devices of process(es) {foreign} are in it. Cross-process groups are not supported: use "
-            f"mode='oneshot' there")
+            f"mode='oneshot' there"
+        )
     axis = mesh.axis_names.index(axis_name)
     rows = np.moveaxis(devices, axis, -1).reshape(-1, devices.shape[axis])
     return tuple(tuple(int(d.local_hardware_id) for d in row) for row in rows)
@@ -190,21 +197,39 @@ def consume(
     Returns the status as a [1] i32 array (the OR of the consumer's and the publish's words)."""
     T, H = prefix.shape
     R = len(table[0])
-    kernel = backend._kernel(backend.kernel_key(R, blocks.shape[1], has_delta=has_delta, groups=groups,
-                                                xmoe_replicas=xmoe_replicas, twoshot=False), T, False)
+    kernel = backend._kernel(
+        backend.kernel_key(
+            R, blocks.shape[1], has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas, twoshot=False
+        ),
+        T,
+        False,
+    )
     publish_cubin, publish_entry = _publish_kernel()
     ffi.register_targets()
-    out_types = [jax.ShapeDtypeStruct((T, H), jnp.bfloat16), jax.ShapeDtypeStruct((T, H), jnp.bfloat16),
-                 jax.ShapeDtypeStruct((xmoe_replicas, T, H), jnp.bfloat16), jax.ShapeDtypeStruct((3,), jnp.int32)]
+    out_types = [
+        jax.ShapeDtypeStruct((T, H), jnp.bfloat16),
+        jax.ShapeDtypeStruct((T, H), jnp.bfloat16),
+        jax.ShapeDtypeStruct((xmoe_replicas, T, H), jnp.bfloat16),
+        jax.ShapeDtypeStruct((3,), jnp.int32),
+    ]
     # has_side_effect: the call writes other devices' mailboxes (and every rank waits for every
     # other's call), so XLA must neither drop it (unused results) nor merge two identical calls.
     call = jax.ffi.ffi_call(ffi.PEER_TARGET, out_types, input_output_aliases={1: 0}, has_side_effect=True)
     skip = -1 if options.skip_publish_rank is None else int(options.skip_publish_rank)
     new_prefix, output, xmoe, flags = call(
-        partial, prefix, blocks, norm, query, out_norm,
+        partial,
+        prefix,
+        blocks,
+        norm,
+        query,
+        out_norm,
         **backend._attributes(kernel, eps, out_eps, options.spin_limit, True),
-        publish_cubin=publish_cubin, publish_entry=publish_entry,
-        group=np.asarray(table, np.int64).reshape(-1), ranks=np.int64(R), skip_rank=np.int32(skip))
+        publish_cubin=publish_cubin,
+        publish_entry=publish_entry,
+        group=np.asarray(table, np.int64).reshape(-1),
+        ranks=np.int64(R),
+        skip_rank=np.int32(skip),
+    )
     # flags: [0] the consumer's status, [1] its hints counter (scratch), [2] the publish status
     return PeerResult(new_prefix, output, xmoe if xmoe_replicas else None, flags[0:1] | flags[2:3])
 
@@ -230,7 +255,8 @@ def check_status(status) -> None:
         what = ", ".join(describe_status(c) for c in sorted({int(words[r]) for r in failed}))
         raise RuntimeError(
             f"mode='peer': the step on mesh device(s) {failed} gave up polling ({what}); the outputs of that step are "
-            f"not valid. Call oproj_jax.cute.peer.reset() (with no call in flight) before the next peer step")
+            f"not valid. Call oproj_jax.cute.peer.reset() (with no call in flight) before the next peer step"
+        )
 
 
 def reset() -> None:

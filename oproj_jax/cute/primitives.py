@@ -13,7 +13,6 @@ endian), so `unpack` gives (low, high) and `pack(low, high)` rounds both to near
 from __future__ import annotations
 
 from cutlass import Boolean, Float32, Int32, Int64, Uint32
-from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
 
 from oproj_jax import dsmem_ptx

@@ -45,15 +45,13 @@ def recv_shape(split: int) -> tuple[int, int]:
 
 def _tree(op, values):  # pairwise: a short dependency chain
     while len(values) > 1:
-        values = [op(values[i], values[i + 1]) if i + 1 < len(values) else values[i]
-                  for i in range(0, len(values), 2)]
+        values = [op(values[i], values[i + 1]) if i + 1 < len(values) else values[i] for i in range(0, len(values), 2)]
     return values[0]
 
 
 def _elements(reg):
     [n] = ir.VectorType(reg.type).shape
-    return [vector.extract(reg, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))
-            for i in range(n)]
+    return [vector.extract(reg, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i])) for i in range(n)]
 
 
 def _i32(value):
@@ -92,7 +90,9 @@ def init(recv, dots_per_round, split: int) -> None:
                 mgpu_utils.inline_ptx(
                     "{ .reg .b64 state;"
                     f" mbarrier.arrive.expect_tx.shared::cta.b64 state, [$0], {(split - 1) * k * 4}; }}",
-                    bar, has_side_effects=True)
+                    bar,
+                    has_side_effects=True,
+                )
         # relaxed: the fence above orders the initialization (a release arrive would also wait
         # for every memory access this thread has issued)
         mgpu_utils.inline_ptx("barrier.cluster.arrive.relaxed.aligned;", has_side_effects=True, convergent=True)
@@ -107,8 +107,9 @@ def dots(pairs, part, recv, layout, *, split: int, round_: int, base: int, col: 
     col..col + K, this round's mbarrier). Round 0 first waits on the cluster barrier of `init`."""
     K = len(pairs)
     if base + WARPS * K > TOTALS:
-        raise ValueError(f"part: the warp sums of {K} dots from {base} need {base + WARPS * K} slots, "
-                         f"{TOTALS} are set aside")
+        raise ValueError(
+            f"part: the warp sums of {K} dots from {base} need {base + WARPS * K} slots, {TOTALS} are set aside"
+        )
     if col + K > COLS or TOTALS + col + K > PART:
         raise ValueError(f"col: {K} dots from column {col} do not fit {COLS} columns")
     if K * split > WARPS * 32:
@@ -140,8 +141,10 @@ def dots(pairs, part, recv, layout, *, split: int, round_: int, base: int, col: 
             first = arith.addi(_i32(base), arith.muli(k, _i32(WARPS)))
             w = [memref.load(part_ref, [_index(arith.addi(first, _i32(j)))]) for j in range(WARPS)]
             total = arith.addf(arith.addf(w[0], w[1]), arith.addf(w[2], w[3]))
-            slot = arith.addi(_smem_address(recv_ref),
-                              arith.muli(arith.addi(arith.muli(me, _i32(COLS)), arith.addi(k, _i32(col))), _i32(4)))
+            slot = arith.addi(
+                _smem_address(recv_ref),
+                arith.muli(arith.addi(arith.muli(me, _i32(COLS)), arith.addi(k, _i32(col))), _i32(4)),
+            )
             mgpu_utils.inline_ptx(dsmem_ptx.PUT_F32, slot, total, bar, peer, me, has_side_effects=True)
         # every peer's totals of this round have landed in recv
         mgpu_utils.inline_ptx(dsmem_ptx.WAIT_PHASE0, bar, has_side_effects=True)
