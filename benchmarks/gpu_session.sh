@@ -4,6 +4,8 @@
 # there (peer vs psum, 3 processes), then the whole test suite.
 # Build first (python -m oproj_jax.build) and carry oproj_jax/_lib and oproj_jax/cute/cubins.
 # Usage on the GPU machine: bash benchmarks/gpu_session.sh OUTDIR
+# The limits add up to more than one 10-minute device call; the whole suite took longer than
+# 220 s at -n 4 on a 2xH200 machine: when it is cut, rerun the tests stage alone.
 set -u
 out=${1:-${OUT:-/tmp/oproj_session}}
 mkdir -p "$out"
@@ -30,5 +32,5 @@ if [ "$gpus" -ge 2 ]; then
       --json "$out/tp2-$i.json"
   done
 fi
-stage tests 220 python3 -m pytest -q -p no:cacheprovider -rfEx --tb=short -n 4 --dist loadfile
+stage tests 330 python3 -m pytest -q -p no:cacheprovider -rfEx --tb=short -n 8 --dist loadfile
 tail -n 8 "$out/tests.txt"
