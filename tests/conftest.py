@@ -1,5 +1,7 @@
 """Test-wide setup: 16 CPU devices (a simulated TP16 mesh) and the GPU skip rule."""
 
+import json
+
 import jax
 import pytest
 
@@ -22,3 +24,27 @@ def gpu():
     if reason:
         pytest.skip(reason)
     return jax.devices("gpu")[0]
+
+
+def fake_ready_cubins(directory, key, *, entry="k", dynamic_smem_bytes=1000) -> dict:
+    """A sealed manifest in `directory` with one folded build (what the registry's ready mode
+    takes) of `key`, whose cubin is a stand-in file: enough for the cute backend to choose and
+    lower a call on a machine without a GPU (lowering never opens a cubin). Returns the entry."""
+    from oproj_jax import configs
+    from oproj_jax.cute import manifest
+
+    (directory / "k.cubin").write_bytes(b"a stand-in: never launched")
+    kernel = dict(
+        key=key,
+        min_ctas=0,
+        fold=True,
+        cubin="k.cubin",
+        entry=entry,
+        dynamic_smem_bytes=dynamic_smem_bytes,
+        block=[128, 1, 1],
+        cluster=[7, 1, 1],
+        params=[".u64"] * 14,
+    )
+    sealed = manifest.seal(dict(arch="sm_90a", cutlass_dsl="4.8.1", H=configs.HIDDEN, kernels=[kernel]), directory)
+    (directory / manifest.MANIFEST).write_text(json.dumps(sealed))
+    return kernel

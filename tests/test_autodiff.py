@@ -9,7 +9,6 @@ kernels' forward under grad runs and matches is for the GPU tests: the backward 
 from __future__ import annotations
 
 import functools
-import json
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 
 import oproj_jax
+from conftest import fake_ready_cubins
 from oproj_jax import api, configs
 from oproj_jax.cute import backend as cute_backend
 from oproj_jax.cute import ffi
@@ -105,21 +105,7 @@ class FakeHopper:
 def cute_lowerable(tmp_path, monkeypatch, tmp_path_factory):
     """A sealed fake manifest with the registry's key, a built FFI library, CUDA pretended: enough
     to lower backend="cute" for CUDA on this machine."""
-    key = M.make_key(2, 1, True, 2, 0, False)
-    (tmp_path / "k.cubin").write_bytes(b"never launched")
-    entry = dict(
-        key=key,
-        min_ctas=0,
-        fold=True,
-        cubin="k.cubin",
-        entry="ready_entry",
-        dynamic_smem_bytes=1000,
-        block=[128, 1, 1],
-        cluster=[7, 1, 1],
-        params=[".u64"] * 14,
-    )
-    manifest = M.seal(dict(arch="sm_90a", cutlass_dsl="4.8.1", H=configs.HIDDEN, kernels=[entry]), tmp_path)
-    (tmp_path / M.MANIFEST).write_text(json.dumps(manifest))
+    fake_ready_cubins(tmp_path, M.make_key(2, 1, True, 2, 0, False), entry="ready_entry")
     library = ffi.build_library(tmp_path_factory.mktemp("grad_lib"))
     monkeypatch.setenv(M.ENV_DIR, str(tmp_path))
     monkeypatch.setenv("OPROJ_JAX_FFI_LIBRARY", str(library))

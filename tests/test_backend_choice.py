@@ -6,7 +6,6 @@ have; whether a real H100/H200 reports "9.0" and the kernels then run is for the
 
 from __future__ import annotations
 
-import json
 import warnings
 
 import jax
@@ -14,6 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 import oproj_jax
+from conftest import fake_ready_cubins
 from oproj_jax import api, configs
 from oproj_jax.api import Dims
 from oproj_jax.cute import backend as cute_backend
@@ -57,19 +57,7 @@ def cute_here(tmp_path, monkeypatch):
     """The cute backend as it looks on a CUDA machine with the library and the variant built:
     a sealed fake manifest of DIMS's key (folded build), a file for the library, CUDA pretended."""
     (tmp_path / "k.cubin").write_bytes(b"fake")
-    entry = dict(
-        key=M.make_key(2, 1, True, 2, 0, False),
-        min_ctas=0,
-        fold=True,
-        cubin="k.cubin",
-        entry="k",
-        dynamic_smem_bytes=1,
-        block=[128, 1, 1],
-        cluster=[7, 1, 1],
-        params=[".u64"] * 14,
-    )
-    manifest = M.seal(dict(arch="sm_90a", cutlass_dsl="4.8.1", H=H, kernels=[entry]), tmp_path)
-    (tmp_path / M.MANIFEST).write_text(json.dumps(manifest))
+    fake_ready_cubins(tmp_path, M.make_key(2, 1, True, 2, 0, False), dynamic_smem_bytes=1)
     (tmp_path / "lib.so").write_bytes(b"")
     monkeypatch.setenv(M.ENV_DIR, str(tmp_path))
     monkeypatch.setenv("OPROJ_JAX_FFI_LIBRARY", str(tmp_path / "lib.so"))

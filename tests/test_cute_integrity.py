@@ -12,6 +12,7 @@ import shutil
 
 import pytest
 
+from conftest import fake_ready_cubins
 from oproj_jax import configs
 from oproj_jax.cute import backend, ffi
 from oproj_jax.cute import manifest as M
@@ -23,20 +24,7 @@ KEY = M.make_key(2, 1, True, 2, 0, False)
 def cubins(tmp_path, monkeypatch):
     """A sealed fake manifest of one key (folded build: the registry's ready mode) in tmp_path,
     with the cute backend pointed at it and a file standing in for the FFI library."""
-    (tmp_path / "k.cubin").write_bytes(b"\x7fELF fake kernel")
-    entry = dict(
-        key=KEY,
-        min_ctas=0,
-        fold=True,
-        cubin="k.cubin",
-        entry="k",
-        dynamic_smem_bytes=1000,
-        block=[128, 1, 1],
-        cluster=[7, 1, 1],
-        params=[".u64"] * 14,
-    )
-    manifest = M.seal(dict(arch="sm_90a", cutlass_dsl="4.8.1", H=configs.HIDDEN, kernels=[entry]), tmp_path)
-    (tmp_path / M.MANIFEST).write_text(json.dumps(manifest))
+    fake_ready_cubins(tmp_path, KEY)
     library = tmp_path / "lib.so"
     library.write_bytes(b"")
     monkeypatch.setenv(M.ENV_DIR, str(tmp_path))
