@@ -111,7 +111,7 @@ def run(directory: str, tokens, launches: int) -> list[dict]:
                 hints.data_ptr(),
                 trace.data_ptr(),
             ]
-            launch(T, pointers, 1e-6, 1e-6, -1)  # spin_limit < 0: ready mode, as through XLA
+            launch(T, pointers, 1e-6, 1e-6, -1)  # timeout_us < 0: ready mode, as through XLA
         torch.cuda.synchronize()
         stamps = trace.view(T * ctas, slots).cpu().tolist()
         table = phase_table(stamps, marks, slots)

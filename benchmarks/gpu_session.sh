@@ -1,14 +1,26 @@
 #!/bin/bash
-# One GPU session, each stage bounded: the benchmark of record on GPU 0 (benchmarks/record.py:
-# cute chain slopes in 3 processes, Pallas, the decode step), the TP benchmark when 2 GPUs are
-# there (peer vs psum, 3 processes), then the whole test suite.
-# Build first (python -m oproj_jax.build) and carry oproj_jax/_lib and oproj_jax/cute/cubins.
-# Usage on the GPU machine: bash benchmarks/gpu_session.sh OUTDIR
-# The limits add up to more than one 10-minute device call; the whole suite took longer than
-# 220 s at -n 4 on a 2xH200 machine: when it is cut, rerun the tests stage alone.
+# A GPU session in bounded stages; pick the stages that fit one device call (10 minutes):
+#   checks   the whole test suite (-n 8) || compute-sanitizer (benchmarks/sanitize.sh) ||
+#            the cross-process peer-memory probe (benchmarks/ipc_probe.py) || the wheel in .whl/
+#            installed with pip and its GPU tests (every prebuilt cubin of the family, the
+#            contract, autodiff, backend choice), in parallel
+#   record   the benchmark of record on GPU 0 (benchmarks/record.py: cute's and pallas's chain
+#            slopes in 3 processes each, median; the decode step)
+#   tp       the TP step on 2 GPUs (benchmarks/record.py --tp 2: every mode x backend, 3
+#            processes, median)
+#   decode   where the decode step's consumer share goes (benchmarks/decode_profile.py), XLA's
+#            default flags; with decode-flags also without command buffers and with WHILE in them
+#   triton   the Triton kernel's variants: checks, torch CUDA-graph and JAX timings
+#            (benchmarks/triton_gpu.py)
+# Build first (python -m oproj_jax.build; pip wheel . --no-deps -w .whl) and carry
+# oproj_jax/_lib, oproj_jax/cute/cubins and .whl.
+# Usage on the GPU machine: bash benchmarks/gpu_session.sh OUTDIR checks,record,...
 set -u
 out=${1:-${OUT:-/tmp/oproj_session}}
+stages=${2:-checks}
 mkdir -p "$out"
+# never NVLS / multicast (banned on these machines); no XLA preallocation: the peer handler
+# allocates its mailboxes beside XLA's pool, and several processes share the GPUs
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
 gpus=$(nvidia-smi -L | wc -l)
 nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
@@ -17,20 +29,44 @@ stage() {  # stage NAME SECONDS COMMAND...: bounded, logged, rc reported
   timeout "$limit" "$@" > "$out/$name.txt" 2>&1
   echo "== $name: rc=$? ($((SECONDS - t0)) s)"
 }
-stage record 140 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/record.py --out-dir "$out" --backends cute \
-  --tokens 1,8,64,512,4096 --decode-tokens "" --timeout 48
-tail -n 6 "$out/record.txt"
-stage record-pallas 75 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/record.py --out-dir "$out" --backends pallas \
-  --tokens 1,64,4096 --decode-tokens "" --processes 1 --timeout 70 --name record-pallas
-tail -n 3 "$out/record-pallas.txt"
-stage decode 80 env CUDA_VISIBLE_DEVICES=0 python3 -m oproj_jax.bench --decode-step --backends cute,reference \
-  --tokens 1,64 --json "$out/decode-step.json"
-grep -E "^(cute|reference) " "$out/decode.txt"
-if [ "$gpus" -ge 2 ]; then
-  for i in 1 2 3; do
-    stage tp-$i 40 python3 -m oproj_jax.bench.tp --tp 2 --tokens 1,8,64 --reps 15 --modes peer,psum --no-profile \
-      --json "$out/tp2-$i.json"
+has() { [[ ",$stages," == *",$1,"* ]]; }
+
+if has checks; then
+  stage tests 400 python3 -m pytest -q -p no:cacheprovider -rfEx --tb=short -n 8 --dist loadfile &
+  stage ipc 60 python3 benchmarks/ipc_probe.py --out "$out" &
+  bash benchmarks/sanitize.sh "$out" 330 > "$out/sanitize.txt" 2>&1 &
+  [ -d .whl ] && stage wheel 330 bash benchmarks/wheel_check.sh &
+  wait
+  cat "$out/sanitize.txt"
+  tail -n 12 "$out/tests.txt"
+  tail -n 8 "$out/wheel.txt"
+  tail -n 15 "$out/ipc.txt"
+fi
+if has record; then
+  stage record 190 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/record.py --out-dir "$out" \
+    --backends cute --tokens 1,8,64,512,4096 --decode-tokens 1,64 --timeout 60
+  tail -n 12 "$out/record.txt"
+  stage record-pallas 170 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/record.py --out-dir "$out" \
+    --backends pallas --tokens 1,64,4096 --decode-tokens "" --timeout 55 --name record-pallas
+  tail -n 5 "$out/record-pallas.txt"
+fi
+if has tp && [ "$gpus" -ge 2 ]; then
+  stage tp 240 python3 benchmarks/record.py --out-dir "$out" --tp 2 --tokens 1,8,64 --reps 15 --name tp2 \
+    --timeout 75
+  tail -n 30 "$out/tp.txt"
+fi
+if has decode; then
+  configurations=("default:")
+  has decode-flags && configurations+=("no-cmdbuf:--xla_gpu_enable_command_buffer="
+    "while:--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL")
+  for cfg in "${configurations[@]}"; do
+    label=${cfg%%:*}
+    stage decode-$label 90 env CUDA_VISIBLE_DEVICES=0 XLA_FLAGS="${cfg#*:}" python3 benchmarks/decode_profile.py \
+      --label "$label" --out "$out/decode-$label.json" --tokens 1,64
+    grep -E "^T=" "$out/decode-$label.txt"
   done
 fi
-stage tests 330 python3 -m pytest -q -p no:cacheprovider -rfEx --tb=short -n 8 --dist loadfile
-tail -n 8 "$out/tests.txt"
+if has triton; then
+  stage triton 240 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/triton_gpu.py --out "$out"
+  tail -n 30 "$out/triton.txt"
+fi

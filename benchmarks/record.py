@@ -1,7 +1,9 @@
-"""The benchmark of record on one GPU: the chain slope (what a jitted loop pays per call) of each
-backend, measured in several separate processes, the median kept; then the decode step.
+"""The benchmark of record: the chain slope (what a jitted loop pays per call) of each backend,
+measured in several separate processes, the median kept; then the decode step. With --tp N, the
+tensor-parallel step instead (python -m oproj_jax.bench.tp: every mode x backend on N GPUs).
 
   PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/record.py --out-dir $OUT
+  PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/record.py --out-dir $OUT --tp 2 --name tp2
 
 Each process is `python -m oproj_jax.bench` (bench/timing.py: slope of unrolled chains of
 dependent calls, rotated input sets, every execution waited for); the first also takes the
@@ -23,12 +25,12 @@ import sys
 import time
 
 
-def bench(args: list[str], timeout: float) -> tuple[list[dict], str]:
-    """Runs `python -m oproj_jax.bench ARGS --json F` in a fresh process; (records, log)."""
+def bench(args: list[str], timeout: float, module: str = "oproj_jax.bench") -> tuple[list[dict], str]:
+    """Runs `python -m MODULE ARGS --json F` in a fresh process; (records, log)."""
     path = f"/tmp/oproj_record_{os.getpid()}_{time.monotonic_ns()}.json"
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "oproj_jax.bench", *args, "--json", path],
+            [sys.executable, "-m", module, *args, "--json", path],
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -44,32 +46,35 @@ def bench(args: list[str], timeout: float) -> tuple[list[dict], str]:
 
 
 def merge(runs: list[list[dict]]) -> list[dict]:
-    """One record per (backend, T): the median slope over the processes that timed it."""
+    """One record per (mode, backend, T): the median slope over the processes that timed it
+    (mode: the TP layout of a --tp run; None for a single-GPU run)."""
     by_key: dict[tuple, list[dict]] = {}
     for records in runs:
         for r in records:
             if r.get("kind") == "timing":
-                by_key.setdefault((r["backend"], r["T"]), []).append(r)
+                by_key.setdefault((r.get("mode") or "", r["backend"], r["T"]), []).append(r)
     merged = []
-    for (backend, T), rs in sorted(by_key.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+    for (mode, backend, T), rs in sorted(by_key.items(), key=lambda kv: (kv[0][2], kv[0][0], kv[0][1])):
         kernels = [r["us_kernels"] for r in rs if r.get("us_kernels") is not None]
         first = rs[0]
+        tp = dict(mode=mode, gpus=first.get("gpus")) if mode else {}
         merged.append(
             dict(
                 kind="timing",
                 record=True,
                 backend=backend,
+                **tp,
                 T=T,
                 R=first["R"],
                 NB=first["NB"],
-                groups=first["groups"],
-                has_delta=first["has_delta"],
+                groups=first.get("groups"),
+                has_delta=first.get("has_delta"),
                 us=statistics.median(r["us"] for r in rs),
                 us_runs=[r["us"] for r in rs],
                 us_kernels=statistics.median(kernels) if kernels else None,
                 noise_us=[r.get("noise_us") for r in rs],
                 device=first["device"],
-                date=first["date"],
+                date=first.get("date"),
                 bytes=first.get("bytes"),
                 method=f"median over {len(rs)} processes of: {first['method']}; us_kernels: the profiler's kernel time "
                 "per call in the chain",
@@ -88,12 +93,22 @@ def main(argv=None) -> int:
     parser.add_argument("--decode-tokens", default="1,64")
     parser.add_argument("--timeout", type=float, default=200.0, help="seconds per process")
     parser.add_argument("--name", default="record", help="file name suffix: <date>-<device>-<name>.json")
+    parser.add_argument("--tp", type=int, default=0, help="time the TP step on this many GPUs instead")
+    parser.add_argument("--modes", default=None, help="with --tp: only these modes, comma-separated")
     args = parser.parse_args(argv)
 
-    common = ["--backends", args.backends, "--tokens", args.tokens, "--reps", str(args.reps)]
+    if args.tp:
+        module, common = "oproj_jax.bench.tp", ["--tp", str(args.tp), "--tokens", args.tokens, "--reps", str(args.reps)]
+        common += ["--modes", args.modes] if args.modes else []
+        args.decode_tokens = ""
+    else:
+        module, common = (
+            "oproj_jax.bench",
+            ["--backends", args.backends, "--tokens", args.tokens, "--reps", str(args.reps)],
+        )
     runs, logs = [], {}
     for i in range(args.processes):
-        records, log = bench(common + ([] if i == 0 else ["--no-profile"]), args.timeout)
+        records, log = bench(common + ([] if i == 0 else ["--no-profile"]), args.timeout, module)
         runs.append(records)
         logs[f"process {i}"] = log[-6000:]
         print(f"process {i}: {sum(r.get('kind') == 'timing' for r in records)} timings", flush=True)
@@ -108,7 +123,9 @@ def main(argv=None) -> int:
     for r in decode:
         if r.get("kind") == "decode_step":
             r["record"] = True
-    header = next((r for r in runs[0] if r.get("kind") == "header"), {"kind": "header"})
+    header = next((r for r in runs[0] if r.get("kind") == "header"), None) or dict(
+        kind="header", device=next((r.get("device") for rs in runs for r in rs if r.get("device")), "gpu")
+    )
     records = [
         header,
         *merge(runs),
@@ -126,7 +143,7 @@ def main(argv=None) -> int:
         if r.get("kind") == "timing":
             runs_text = "/".join(f"{u:.2f}" for u in r["us_runs"])
             print(
-                f"{r['backend']:10s} {r['T']:5d} {r['us']:12.2f}  {runs_text:24s} "
+                f"{(r.get('mode', '') + '/' + r['backend']).strip('/'):16s} {r['T']:5d} {r['us']:12.2f}  {runs_text:24s} "
                 f"{r['us_kernels'] if r['us_kernels'] is None else round(r['us_kernels'], 2)!s:>10s}"
             )
         elif r.get("kind") == "decode_step":

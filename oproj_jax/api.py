@@ -29,9 +29,10 @@ MAX_BLOCKS = 8
 _BACKENDS = {
     "cute": "oproj_jax.cute.backend",
     "pallas": "oproj_jax.pallas.consumer",
+    "triton": "oproj_jax.triton.backend",
     "reference": "oproj_jax.reference",
 }
-_KERNELS = ("cute", "pallas")
+_KERNELS = ("cute", "pallas", "triton")
 
 
 class ConsumerResult(NamedTuple):
@@ -101,9 +102,11 @@ def _module(name: str):
     return importlib.import_module(_BACKENDS[name])
 
 
-# The kernels are Hopper code (sm_90a cubins; Mosaic GPU TMA, wgmma and clusters): on a GPU they
-# run only on devices of this CUDA compute capability ("auto" picks them nowhere else).
+# The cute and pallas kernels are Hopper code (sm_90a cubins; Mosaic GPU TMA, wgmma and
+# clusters): on a GPU they run only on devices of this CUDA compute capability. The Triton kernel
+# is compiled for the device it runs on, from this compute capability on (bf16 arithmetic).
 KERNEL_CAPABILITY = "9.0"
+TRITON_MIN_CAPABILITY = (8, 0)
 
 
 def _is_gpu(platform: str) -> bool:
@@ -117,15 +120,30 @@ def _platform_devices(platform: str) -> list:
         return []
 
 
-def capability_reason(devices) -> str | None:
-    """None if every device is a CUDA GPU of compute capability KERNEL_CAPABILITY, else why not."""
+def _capability(value) -> tuple[int, ...] | None:
+    try:
+        return tuple(int(part) for part in str(value).split("."))
+    except ValueError:
+        return None
+
+
+def capability_reason(devices, kernel: str = "cute") -> str | None:
+    """None if every device is a CUDA GPU that backend `kernel` runs on (cute, pallas: compute
+    capability KERNEL_CAPABILITY; triton: TRITON_MIN_CAPABILITY or newer), else why not."""
     if not devices:
         return "no device to run on"
     for device in devices:
         capability = getattr(device, "compute_capability", None)
         if device.platform not in ("gpu", "cuda") or capability is None:
             return f"device {device} ({device.platform}) is not a CUDA GPU with a compute capability"
-        if str(capability) != KERNEL_CAPABILITY:
+        if kernel == "triton":
+            if (_capability(capability) or (0,)) < TRITON_MIN_CAPABILITY:
+                least = ".".join(map(str, TRITON_MIN_CAPABILITY))
+                return (
+                    f"the Triton kernel computes in bf16, compute capability {least} or newer; device {device} "
+                    f"has compute capability {capability}"
+                )
+        elif str(capability) != KERNEL_CAPABILITY:
             return (
                 f"the GPU kernels are Hopper code (sm_90a, compute capability {KERNEL_CAPABILITY}); device {device} "
                 f"has compute capability {capability}"
@@ -142,7 +160,7 @@ def _unavailable(name: str, platform: str, devices=None) -> str | None:
         return f"cannot import {_BACKENDS[name]}: {err}"
     reason = module.unavailable_reason(platform)
     if reason is None and name in _KERNELS and _is_gpu(platform):
-        reason = capability_reason(_platform_devices(platform) if devices is None else list(devices))
+        reason = capability_reason(_platform_devices(platform) if devices is None else list(devices), name)
     return reason
 
 
@@ -178,10 +196,11 @@ def available_backends(platform: str | None = None) -> dict[str, str | None]:
 
 def choose_backend(backend: str, platform: str, dims: Dims, *, devices=None, **options) -> tuple[str | None, dict]:
     """(the backend that runs the call, or None if the named `backend` cannot; name -> why it does
-    not run this call, None for the one that does). The rule of "auto": on CUDA GPUs of compute
-    capability 9.0 (every one of `devices`; default every device of `platform`) the first of
-    "cute", "pallas" that can run there and handles the shape; else the reference. Off the GPU
-    "auto" never takes a kernel (Pallas would run in interpret mode: named only)."""
+    not run this call, None for the one that does). The rule of "auto": on CUDA GPUs (every one
+    of `devices`; default every device of `platform`) the first of "cute", "pallas" (compute
+    capability 9.0 only) and "triton" (8.0 or newer) that can run there and handles the shape;
+    else the reference. Off the GPU "auto" never takes a kernel (Pallas would run in interpret
+    mode: named only)."""
     if backend != "auto":
         module = _module(backend)  # an unknown name raises here
         reason = _unavailable(backend, platform, devices) or module.unsupported_reason(dims, **options)
@@ -262,6 +281,10 @@ def explain(
         lines = [f"backend={backend!r} runs {name!r} for this call ({shape}; {where})"]
         if name == "pallas" and platform == "cpu":
             lines.append("  pallas runs in Mosaic GPU interpret mode here (slow; for tests)")
+        if name == "triton" and backend == "auto":
+            lines.append(
+                "  triton: the portable kernel, taken because the Hopper kernels (cute, pallas) cannot run this call"
+            )
         lines += [f"  {other}: not picked: {why}" for other, why in reasons.items() if other != name]
     return "\n".join(lines)
 
@@ -307,22 +330,26 @@ def consumer(
                      order). It fixes the prefix bits; every backend follows it.
       xmoe_replicas  int >= 0, default 0: copies of the output to return in `xmoe` (-0.0
                      written as +0.0, for MoE consumers that poll them); 0 returns None.
-      backend        "auto" (default), "reference", "pallas" or "cute":
+      backend        "auto" (default), "reference", "pallas", "cute" or "triton":
                        "reference"  the jnp definition; runs wherever JAX runs.
                        "pallas"     the Pallas Mosaic GPU kernel on a Hopper GPU; on a CPU it
                                     runs in interpret mode (slow; for tests). Needs H % 256 == 0.
                        "cute"       the CuTe kernel through XLA FFI on an sm_90a GPU, with the
                                     built FFI library and cubins (python -m oproj_jax.build);
                                     H = 7168 only, and only the built variants.
-                       "auto"       on CUDA GPUs of compute capability 9.0 (H100, H200) the
-                                    first of "cute", "pallas" that can run and handles the
-                                    shape; everywhere else (a CPU, another GPU, a shape no
-                                    kernel handles) the reference, with a RuntimeWarning (once
-                                    per reason) when that happens on a GPU. It never picks
-                                    interpret mode. explain(...) says what it picks and why.
+                       "triton"     the Triton kernels through jax_triton (the triton extra and
+                                    the JAX CUDA plugin) on a CUDA GPU of compute capability
+                                    8.0 or newer; any H.
+                       "auto"       on CUDA GPUs the first of "cute", "pallas" (compute
+                                    capability 9.0: H100, H200) and "triton" (8.0 or newer)
+                                    that can run and handles the shape; everywhere else (a CPU,
+                                    an older GPU, a shape no kernel handles) the reference, with
+                                    a RuntimeWarning (once per reason) when that happens on a
+                                    GPU. It never picks interpret mode. explain(...) says what
+                                    it picks and why.
                      Naming a backend that cannot run raises ValueError with the reason
-                     (nothing falls back silently); see available_backends(). The kernels
-                     also refuse GPUs other than compute capability 9.0.
+                     (nothing falls back silently); see available_backends(). cute and pallas
+                     also refuse GPUs other than compute capability 9.0, triton those below 8.0.
 
     Returns a ConsumerResult (a NamedTuple):
       prefix  [T, H] bf16: the updated residual. GPU kernels alias it to the `prefix` argument:

@@ -132,6 +132,25 @@ def consumer_case(config, inputs) -> tuple[dict, dict]:
     return dict(inputs, mailbox=model_gather_row(inputs["mailbox"])), dict(config.options(), groups=1)
 
 
+def spread_tokens(config, inputs, result, count: int):
+    """(config, inputs, result) cut down to `count` tokens spread evenly over T, the first and
+    the last among them (all of them when T <= count), for check_result at large T where the f64
+    model of every token takes seconds: each token is computed on its own, so the check of those
+    tokens is exact. `result` is (prefix, output, xmoe or None) as numpy arrays."""
+    import dataclasses
+
+    T = config.T
+    rows = np.unique(np.linspace(0, T - 1, min(T, count)).round().astype(int))
+    if len(rows) == T:
+        return config, inputs, result
+    inputs = dict(
+        inputs, mailbox=inputs["mailbox"][:, rows], prefix=inputs["prefix"][rows], blocks=inputs["blocks"][rows]
+    )
+    prefix, output, xmoe = (None if x is None else np.asarray(x) for x in result)
+    result = (prefix[rows], output[rows], None if xmoe is None else xmoe[:, rows])
+    return dataclasses.replace(config, T=len(rows)), inputs, result
+
+
 def published_bits(x) -> np.ndarray:
     """The bf16 bits of `x` with -0.0 written as +0.0: what every xmoe replica holds."""
     raw = bits(x).copy()

@@ -56,7 +56,9 @@ def to_numpy(x):  # bf16 torch.Tensor [...] (any device) -> numpy ml_dtypes bf16
     return x.detach().cpu().contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
 
 
-def _check(torch, mailbox, prefix, blocks, norm, query, out_norm):
+def check_tensors(torch, mailbox, prefix, blocks, norm, query, out_norm) -> None:
+    """Dtypes, devices and shapes of the six tensors (TypeError / ValueError naming the argument);
+    shared with the Triton kernel's PyTorch entry (oproj_jax/triton/torch_launch.py)."""
     named = dict(mailbox=mailbox, prefix=prefix, blocks=blocks, norm=norm, query=query, out_norm=out_norm)
     for name, x in named.items():
         if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
@@ -113,7 +115,7 @@ def consumer(
     xmoe_replicas: int = DEFAULTS.xmoe_replicas,
 ) -> TorchResult:
     torch = _torch()
-    _check(torch, mailbox, prefix, blocks, norm, query, out_norm)
+    check_tensors(torch, mailbox, prefix, blocks, norm, query, out_norm)
     # The options' checks and their messages are oproj_jax.consumer's (oproj_jax.options).
     opts = Options(eps=eps, out_eps=out_eps, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas)
     f32, bf16 = torch.float32, torch.bfloat16

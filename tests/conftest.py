@@ -9,6 +9,14 @@ import pytest
 jax.config.update("jax_num_cpu_devices", 16)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_cubin_cache(tmp_path_factory):
+    """Cubins compiled on first use go to a directory of this test session, never the user's cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OPROJ_JAX_CACHE_DIR", str(tmp_path_factory.mktemp("cubin_cache")))
+        yield
+
+
 def gpu_platform_reason() -> str | None:
     """None when a CUDA GPU is present, else why GPU tests are skipped."""
     try:
@@ -29,7 +37,9 @@ def gpu():
 def fake_ready_cubins(directory, key, *, entry="k", dynamic_smem_bytes=1000) -> dict:
     """A sealed manifest in `directory` with one folded build (what the registry's ready mode
     takes) of `key`, whose cubin is a stand-in file: enough for the cute backend to choose and
-    lower a call on a machine without a GPU (lowering never opens a cubin). Returns the entry."""
+    lower a call on a machine without a GPU (lowering never opens a cubin). Returns the entry.
+    Tests of a prebuilt set set $OPROJ_JAX_NO_COMPILE too, or a variant outside it would be
+    compiled on first use where the DSL is installed."""
     from oproj_jax import configs
     from oproj_jax.cute import manifest
 

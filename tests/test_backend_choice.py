@@ -17,7 +17,9 @@ from conftest import fake_ready_cubins
 from oproj_jax import api, configs
 from oproj_jax.api import Dims
 from oproj_jax.cute import backend as cute_backend
+from oproj_jax.cute import cache as cute_cache
 from oproj_jax.cute import manifest as M
+from oproj_jax.triton import backend as triton_backend
 
 H = configs.HIDDEN
 DIMS = Dims(R=2, T=1, NB=1, H=H)
@@ -61,13 +63,39 @@ def cute_here(tmp_path, monkeypatch):
     (tmp_path / "lib.so").write_bytes(b"")
     monkeypatch.setenv(M.ENV_DIR, str(tmp_path))
     monkeypatch.setenv("OPROJ_JAX_FFI_LIBRARY", str(tmp_path / "lib.so"))
+    monkeypatch.setenv(cute_cache.ENV_NO_COMPILE, "1")  # prebuilt cubins only
     monkeypatch.setattr(cute_backend, "_is_cuda", lambda platform: True)
+
+
+@pytest.fixture
+def no_triton(monkeypatch):
+    """The triton backend as on a GPU machine without triton, jax-triton or the CUDA plugin."""
+    monkeypatch.setattr(triton_backend, "unavailable_reason", lambda platform: "stand-in: no Triton here")
+
+
+@pytest.fixture
+def triton_here(monkeypatch):
+    """The triton backend as on a CUDA machine with triton, jax-triton and the CUDA plugin."""
+    real = triton_backend.unavailable_reason
+    monkeypatch.setattr(triton_backend, "unavailable_reason", lambda p: None if p in ("gpu", "cuda") else real(p))
 
 
 def test_hopper_gpu_auto_takes_the_first_kernel_that_runs(cute_here):
     assert api.resolve_backend("auto", "gpu", DIMS, devices=[FakeGPU("9.0")], **OPTIONS) == "cute"
-    # a shape the cubins were not built for: the next kernel
+    # a shape the cubins were not built for (and nothing compiled on first use): the next kernel
     assert api.resolve_backend("auto", "gpu", DIMS._replace(NB=2), devices=[FakeGPU("9.0")], **OPTIONS) == "pallas"
+
+
+def test_a_variant_that_compiles_on_first_use_is_supported(cute_here, monkeypatch):
+    """With the CuTe DSL installed, a key outside the prebuilt set is compiled when a call needs
+    it, so choosing and explaining do not call it unsupported (and compile nothing)."""
+    pytest.importorskip("cutlass", reason="the CuTe DSL (the cute extra) compiles on first use")
+    monkeypatch.delenv(cute_cache.ENV_NO_COMPILE)
+    monkeypatch.setattr(cute_cache, "_compile", lambda *a: pytest.fail("choosing a backend compiled a cubin"))
+    assert api.resolve_backend("auto", "gpu", DIMS._replace(NB=2), devices=[FakeGPU("9.0")], **OPTIONS) == "cute"
+    # what the kernel cannot be built for stays unsupported, with the kernel's reason
+    reason = cute_backend.unsupported_reason(DIMS._replace(R=17), **OPTIONS)
+    assert "R=17" in reason and "expected 1 <= R <= 16" in reason
 
 
 def test_hopper_gpu_without_cute_takes_pallas():
@@ -76,7 +104,7 @@ def test_hopper_gpu_without_cute_takes_pallas():
 
 
 @pytest.mark.parametrize("capabilities", [["8.0"], ["10.0"], ["9.0", "8.9"]], ids=str)
-def test_other_gpus_get_the_reference_with_a_warning(cute_here, fresh_warnings, capabilities):
+def test_other_gpus_get_the_reference_with_a_warning(cute_here, no_triton, fresh_warnings, capabilities):
     devices = [FakeGPU(c, i) for i, c in enumerate(capabilities)]
     with pytest.warns(RuntimeWarning, match="runs the jnp reference on this GPU") as record:
         assert api.resolve_backend("auto", "gpu", DIMS, devices=devices, **OPTIONS) == "reference"
@@ -118,7 +146,7 @@ def test_explain_on_the_cpu():
     assert oproj_jax.explain(*arrays(), backend="cute").startswith("backend='cute' cannot run this call")
 
 
-def test_explain_on_stand_in_gpus(cute_here, monkeypatch):
+def test_explain_on_stand_in_gpus(cute_here, no_triton, monkeypatch):
     monkeypatch.setattr(api, "_placement", lambda *a: ("gpu", [FakeGPU("9.0")]))
     text = oproj_jax.explain(*arrays(), groups=2)
     assert text.splitlines()[0].startswith("backend='auto' runs 'cute'") and "compute capability 9.0" in text
@@ -136,6 +164,48 @@ def test_explain_checks_its_arguments_like_consumer():
     with pytest.raises(ValueError, match="groups"):
         oproj_jax.explain(mailbox, *rest, groups=9)
     with pytest.raises(ValueError, match="backend: expected one of"):
-        oproj_jax.explain(mailbox, *rest, backend="triton")
+        oproj_jax.explain(mailbox, *rest, backend="tpu")
     specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays()]  # shapes only: the default device
     assert oproj_jax.explain(*specs, groups=2).startswith("backend='auto' runs 'reference'")
+
+
+# ---- the Triton kernel: compute capability 8.0 and newer
+
+
+@pytest.mark.parametrize("capabilities", [["8.0"], ["8.9"], ["10.0"], ["9.0", "8.6"]], ids=str)
+def test_gpus_the_hopper_kernels_refuse_take_triton_quietly(cute_here, triton_here, fresh_warnings, capabilities):
+    devices = [FakeGPU(c, i) for i, c in enumerate(capabilities)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a kernel runs: nothing to warn about
+        assert api.resolve_backend("auto", "gpu", DIMS, devices=devices, **OPTIONS) == "triton"
+
+
+def test_hopper_gpu_prefers_cute_and_pallas_to_triton(cute_here, triton_here):
+    assert api.resolve_backend("auto", "gpu", DIMS, devices=[FakeGPU("9.0")], **OPTIONS) == "cute"
+    assert api.resolve_backend("auto", "gpu", DIMS._replace(NB=2), devices=[FakeGPU("9.0")], **OPTIONS) == "pallas"
+    # a hidden size the Pallas kernel's TMA view refuses: the Triton kernel takes any H
+    odd = DIMS._replace(H=1000)
+    assert api.resolve_backend("auto", "gpu", odd, devices=[FakeGPU("9.0")], **OPTIONS) == "triton"
+
+
+def test_gpus_older_than_ampere_get_the_reference_with_triton_reason(triton_here, fresh_warnings):
+    with pytest.warns(RuntimeWarning, match="runs the jnp reference on this GPU") as record:
+        assert api.resolve_backend("auto", "gpu", DIMS, devices=[FakeGPU("7.5")], **OPTIONS) == "reference"
+    message = str(record[0].message)
+    assert "triton: the Triton kernel computes in bf16, compute capability 8.0 or newer" in message
+    with pytest.raises(ValueError, match=r"backend='triton' cannot run here: .*compute capability 7\.5"):
+        api.resolve_backend("triton", "gpu", DIMS, devices=[FakeGPU("7.5")], **OPTIONS)
+
+
+def test_explain_reports_triton_in_place_of_the_hopper_kernels(cute_here, triton_here, monkeypatch):
+    monkeypatch.setattr(api, "_placement", lambda *a: ("gpu", [FakeGPU("8.0")]))
+    first, *rest = oproj_jax.explain(*arrays(), groups=2).splitlines()
+    assert first.startswith("backend='auto' runs 'triton'") and "compute capability 8.0" in first
+    assert "  triton: the portable kernel, taken because the Hopper kernels (cute, pallas) cannot run this call" in rest
+    for name in ("cute", "pallas"):
+        assert any(line.startswith(f"  {name}: not picked:") and "has compute capability 8.0" in line for line in rest)
+    assert any(line.startswith("  reference: not picked: 'triton' comes first") for line in rest)
+
+
+def test_triton_is_unavailable_off_cuda():
+    assert "runs on NVIDIA CUDA GPUs through jax_triton" in api.available_backends("cpu")["triton"]

@@ -131,13 +131,81 @@ def test_launch_bound_reaches_the_register_allocation(built, build):
         assert regs <= 255
 
 
-def test_build_choice_by_mode_and_t():
-    # ready mode (XLA-produced mailbox): the folded build at every T
-    assert {M.build_for(t, True) for t in (1, M.LARGE_T, M.LARGE_T + 1, 4096)} == {M.Build(0, fold=True)}
-    # protocol mode: the grouped build, unbounded up to LARGE_T, bounded above
-    assert M.build_for(1, False) == M.build_for(M.LARGE_T, False) == M.Build(0)
-    assert M.build_for(M.LARGE_T + 1, False) == M.build_for(4096, False) == M.Build(3)
-    assert set(M.BUILDS) >= {M.build_for(t, r) for t in (1, 4096) for r in (True, False)}
+def test_build_choice_by_mode(monkeypatch):
+    # one cubin per key serves every path: the folded build in ready and protocol mode, every T
+    assert {M.build_for(t, r) for t in (1, 64, 65, 4096) for r in (True, False)} == {M.Build(0, fold=True)}
+    # the grouped builds stay selectable for protocol mode (A/B runs); ready mode keeps the folded one
+    monkeypatch.setattr(M, "PROTOCOL_BUILD", M.GROUPED_BOUNDED)
+    assert M.build_for(1, False) == M.build_for(4096, False) == M.Build(3)
+    assert M.build_for(1, True) == M.FOLDED
+    assert M.PROTOCOL_BUILD in M.BUILDS
+
+
+@pytest.mark.parametrize(
+    "R, groups, twoshot, effective",
+    [
+        (2, 3, False, 2),
+        (2, 4, False, 2),
+        (4, 3, False, 2),  # S = 2 slots per group: two groups own slots
+        (1, 4, False, 1),
+        (3, 4, False, 3),
+        (16, 3, False, 3),  # S = 6: 6 + 6 + 4
+        (8, 3, False, 3),
+        (16, 4, True, 1),  # a twoshot kernel polls one slot (the gather row)
+    ],
+)
+def test_keys_carry_the_effective_groups(R, groups, twoshot, effective):
+    key = M.make_key(R, 0, True, groups, 0, twoshot)
+    assert key["groups"] == M.effective_groups(R, groups, twoshot) == effective
+    assert M.make_key(R, 0, True, effective, 0, twoshot) == key
+    # the summation order (reference.rank_sum) depends only on S = ceil(R / groups)
+    slots = 1 if twoshot else R
+    assert -(-slots // groups) == -(-slots // effective)
+
+
+def test_every_groups_option_is_one_effective_count_of_the_same_order():
+    import numpy as np
+
+    from oproj_jax import reference
+
+    for R in range(1, 17):
+        for groups in range(1, 5):
+            effective = M.effective_groups(R, groups)
+            assert 1 <= effective <= groups
+            assert M.effective_groups(R, effective) == effective
+            if effective != groups:  # bits: the same f32 additions in the same order
+                x = np.random.default_rng(R * 10 + groups).standard_normal((R, 1, 64)).astype(np.float32) * 1e4
+                a, b = reference.rank_sum(x, groups), reference.rank_sum(x, effective)
+                assert np.array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32)), (R, groups)
+
+
+def test_an_equivalent_groups_finds_the_entry():
+    entry = dict(key=M.make_key(2, 1, True, 2, 0, False), min_ctas=0, fold=True, cubin="k.cubin")
+    manifest = {"arch": "sm_90a", "H": 7168, "kernels": [entry], "dir": "."}
+    for groups in (2, 3, 4):
+        assert M.find(manifest, dict(entry["key"], groups=groups), M.FOLDED) is entry
+    assert M.find(manifest, dict(entry["key"], groups=1), M.FOLDED) is None
+    with pytest.raises(ValueError, match="groups"):
+        M.make_key(2, 1, True, 0, 0, False)
+
+
+def test_the_default_set():
+    """The production family folded, the GPU tests' and benchmarks' keys as every build."""
+    from oproj_jax import configs
+    from oproj_jax.cute import build
+
+    work = build.default_set()
+    family = build.production_keys()
+    assert len(family) == 9 * 2 * 4 * (1 + 2 + 3 + 4 + 4)  # NB x has_delta x xmoe x effective (R, groups)
+    pairs = {(json.dumps(k, sort_keys=True), b) for k, b in work}
+    assert len(pairs) == len(work)  # no repeats
+    for key in family:
+        assert (json.dumps(key, sort_keys=True), M.FOLDED) in pairs
+    for c in configs.GPU_CHECKS + configs.BENCH:
+        key = M.make_key(c.R, c.NB, c.has_delta, c.groups, c.xmoe_replicas, c.twoshot)
+        assert {b for k, b in work if k == key} == set(M.BUILDS), c.name
+    grouped = [k for k, b in work if not b.fold]
+    assert len(grouped) == 2 * len(build.comparison_keys()) < len(family) // 10
 
 
 def test_build_tags_round_trip():

@@ -2,7 +2,7 @@
 
 Needs a CUDA GPU (the `gpu` fixture skips otherwise), the FFI library (built here with g++ if
 missing) and the cubins (`python -m oproj_jax.build` on any machine with the cute extra).
-Every call that may poll a slot nobody publishes runs with a bounded spin_limit, so a bug
+Every call that may poll a slot nobody publishes runs with a bounded timeout_us, so a bug
 shows up as a status code, not a hung GPU.
 """
 
@@ -28,7 +28,7 @@ from oproj_jax.cute import backend, driver_launch
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU below
 
-SPIN = 1 << 22  # polling rounds before a call gives up (a hang becomes status != 0)
+SPIN = 4_000_000  # microseconds before a wait gives up (a hang becomes status != 0)
 SENTINEL = 0x80000000  # an empty 32-bit mailbox word: the bf16 pair (+0.0, -0.0)
 EPS, OUT_EPS = 1e-6, 1e-5
 # + the production shape with an xmoe replica (a benchmark variant, not in the check table)
@@ -163,7 +163,7 @@ def run_twoshot(config, x, gpu, me, **kw):
 def test_oneshot_parity(cute, config):
     x = inputs(config)
     poison_allocator((config.R + 2 + config.xmoe_replicas) * config.T * config.H * 2)
-    res = run_oneshot(config, x, cute, spin_limit=SPIN)
+    res = run_oneshot(config, x, cute, timeout_us=SPIN)
     assert int(res.status[0]) == 0, f"status {int(res.status[0])}: polling gave up"
     check_result(config, x, res.prefix, res.output, res.xmoe)
     assert (words(res.mailbox) == SENTINEL).all(), "every consumed slot is re-armed"
@@ -175,7 +175,7 @@ def test_oneshot_parity(cute, config):
 def test_twoshot_parity(cute, config):
     x = inputs(config)
     me = config.R // 2 - 1  # an inner slice
-    res = run_twoshot(config, x, cute, me, spin_limit=SPIN)
+    res = run_twoshot(config, x, cute, me, timeout_us=SPIN)
     assert int(res.status[0]) == 0, f"status {int(res.status[0])}: polling gave up"
     check_result(config, x, res.prefix, res.output, res.xmoe)  # == oneshot with groups=1
     assert (words(res.recv) == SENTINEL).all(), "every receive slot is re-armed"
@@ -221,7 +221,7 @@ def test_sanitizes_values_that_look_like_the_sentinel(cute):
     pick = rng.random(pairs.shape[:3]) < 0.02
     pairs[pick] = empty_slots((2,))  # ~2 % of the words in every slot equal the sentinel
     assert (words(mailbox) == SENTINEL).sum() > 1000
-    res = run_oneshot(config, x, cute, mailbox=mailbox, published=False, spin_limit=SPIN)
+    res = run_oneshot(config, x, cute, mailbox=mailbox, published=False, timeout_us=SPIN)
     assert int(res.status[0]) == 0, "a sanitized word was taken for an empty slot"
     check_result(config, x, res.prefix, res.output, res.xmoe, mailbox=mailbox)
 
@@ -269,7 +269,9 @@ def test_waits_for_a_slot_published_late(cute):
     x = inputs(config)
     full = published(x["mailbox"])
     call = jax.jit(
-        functools.partial(backend.consume, **options(config, groups=config.groups), published=True, spin_limit=1 << 30),
+        functools.partial(
+            backend.consume, **options(config, groups=config.groups), published=True, timeout_us=10_000_000
+        ),
         donate_argnums=0,
     )
     rest = [jax.device_put(x[k], cute) for k in ("prefix", "blocks", "norm", "query", "out_norm")]
@@ -304,7 +306,7 @@ def test_bounded_polling_reports_a_slot_never_published(cute):
     mailbox = published(x["mailbox"])
     mailbox[11, 1] = empty_slots(mailbox[11, 1].shape)  # rank 11, token 1: never written
     start = time.perf_counter()
-    res = run_oneshot(config, x, cute, mailbox=mailbox, published=True, spin_limit=1 << 16)
+    res = run_oneshot(config, x, cute, mailbox=mailbox, published=True, timeout_us=1 << 16)
     jax.block_until_ready(res)
     assert time.perf_counter() - start < 60
     assert int(res.status[0]) == 1, "status 1: a mailbox slot was not published"
@@ -321,7 +323,7 @@ LOOP_CONFIG, STEPS = configs.Config(16, 1, 1, groups=2, xmoe_replicas=2), 4  # a
 def loop_inputs(gpu):
     xs = [inputs(LOOP_CONFIG, seed) for seed in range(STEPS)]
     rest = [jax.device_put(xs[0][k], gpu) for k in ("blocks", "norm", "query", "out_norm")]
-    return xs, rest, options(LOOP_CONFIG, groups=LOOP_CONFIG.groups, spin_limit=SPIN)
+    return xs, rest, options(LOOP_CONFIG, groups=LOOP_CONFIG.groups, timeout_us=SPIN)
 
 
 def test_scan_loop(cute):
@@ -416,9 +418,9 @@ _COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
     kw = dict(eps=1e-6, out_eps=1e-5, has_delta=True, groups=4, xmoe_replicas=1)
     @jax.jit
     def two_steps(mailbox, prefix, blocks, norm, query, out_norm):  # the Lamport target, twice
-        a = backend.consume(mailbox, prefix, blocks, norm, query, out_norm, spin_limit=1 << 22, **kw)
+        a = backend.consume(mailbox, prefix, blocks, norm, query, out_norm, timeout_us=1 << 22, **kw)
         b = backend.consume(mailbox * 2, a.prefix, blocks, norm, query, out_norm, status=a.status,
-                            spin_limit=1 << 22, **kw)
+                            timeout_us=1 << 22, **kw)
         return b.prefix, b.output, b.status
     @jax.jit
     def ready_steps(m1, m2, prefix, blocks, norm, query, out_norm):  # the registry's ready target
@@ -441,6 +443,33 @@ _COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
     np.save(sys.argv[2], np.array(ready, dtype=object), allow_pickle=True)
     print(json.dumps({"status": int(runs[0][2][0]), "replays_identical": bool(same)}))
 """)
+
+
+def test_handler_refuses_operands_the_cubin_was_not_built_for(cute):
+    """Each cubin has R, NB and reps compiled in: the FFI handler compares them (the "variant"
+    attribute) with the operands' shapes and refuses a mismatch before launching, instead of
+    letting the kernel read past the blocks it was given."""
+    config = configs.Config(16, 3, 1)
+    x = inputs(config)
+    kernel = backend._kernel(
+        backend.kernel_key(16, 8, has_delta=True, groups=4, xmoe_replicas=0, twoshot=False), 3, True
+    )
+    T, H = config.T, config.H
+    out_types = [
+        jax.ShapeDtypeStruct((T, H), jnp.bfloat16),
+        jax.ShapeDtypeStruct((T, H), jnp.bfloat16),
+        jax.ShapeDtypeStruct((0, T, H), jnp.bfloat16),
+        jax.ShapeDtypeStruct((2,), jnp.uint32),
+    ]
+    ffi.register_targets()
+    call = jax.ffi.ffi_call(ffi.READY_TARGET, out_types, input_output_aliases={1: 0})
+    args = [jax.device_put(x[k], cute) for k in ("mailbox", "prefix", "blocks", "norm", "query", "out_norm")]
+    with pytest.raises(Exception, match=r"the cubin is built for completed blocks \(NB\) = 8, the operands have 1"):
+        jax.block_until_ready(
+            jax.jit(lambda *a: call(*a, **backend._attributes(kernel, 1e-6, 1e-6, backend.READY_TIMEOUT_US, True)))(
+                *args
+            )
+        )
 
 
 def test_xla_command_buffer(cute, tmp_path):
@@ -528,10 +557,10 @@ def test_torch_launch_matches_jax_bits(cute, config):
     if config.twoshot:
         recv_np, slots_np = twoshot_operands(config, x, me)
         recv_np = published(recv_np)  # as the JAX call sanitizes it
-        jax_res = run_twoshot(config, x, cute, me, spin_limit=SPIN)
+        jax_res = run_twoshot(config, x, cute, me, timeout_us=SPIN)
     else:
         slots_np = published(x["mailbox"])
-        jax_res = run_oneshot(config, x, cute, spin_limit=SPIN)
+        jax_res = run_oneshot(config, x, cute, timeout_us=SPIN)
     src = _torch_bf16(slots_np)
     slots, prefix = src.clone(), _torch_bf16(x["prefix"])
     blocks = _torch_bf16(x["blocks"]) if config.NB else prefix

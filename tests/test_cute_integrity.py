@@ -14,7 +14,8 @@ import pytest
 
 from conftest import fake_ready_cubins
 from oproj_jax import configs
-from oproj_jax.cute import backend, ffi
+from oproj_jax.api import Dims
+from oproj_jax.cute import backend, cache, ffi
 from oproj_jax.cute import manifest as M
 
 KEY = M.make_key(2, 1, True, 2, 0, False)
@@ -29,6 +30,7 @@ def cubins(tmp_path, monkeypatch):
     library.write_bytes(b"")
     monkeypatch.setenv(M.ENV_DIR, str(tmp_path))
     monkeypatch.setenv("OPROJ_JAX_FFI_LIBRARY", str(library))
+    monkeypatch.setenv(cache.ENV_NO_COMPILE, "1")  # prebuilt cubins only
     monkeypatch.setattr(backend, "_is_cuda", lambda platform: True)
     return tmp_path
 
@@ -101,6 +103,20 @@ def test_a_stale_manifest_makes_cute_unavailable_naming_the_rebuild(cubins, chan
         backend._kernel(KEY, 1, ready=True)
 
 
+def test_a_stale_manifest_is_passed_over_where_variants_compile_on_first_use(cubins, monkeypatch):
+    """With the CuTe DSL installed a stale prebuilt set does not make cute unavailable: every
+    variant is compiled from the installed sources on first use (into its own fingerprint's
+    cache directory), never taken from the stale set."""
+    if not cache._dsl_installed():
+        pytest.skip("the CuTe DSL (the cute extra) is not installed: nothing compiles on first use")
+    rewrite_manifest(cubins, lambda m: m.update(fingerprint="0" * 64))
+    monkeypatch.delenv(cache.ENV_NO_COMPILE)
+    assert backend.unavailable_reason("cuda") is None
+    monkeypatch.setattr(cache, "_compile", lambda *a: pytest.fail("asking for support compiled a cubin"))
+    dims = Dims(KEY["R"], 1, KEY["NB"], configs.HIDDEN)
+    assert backend.unsupported_reason(dims, has_delta=True, groups=2, xmoe_replicas=0) is None
+
+
 def test_the_build_drops_entries_of_other_sources(tmp_path, monkeypatch):
     """build_cubins keeps an old manifest's entries only if that manifest has this fingerprint."""
     pytest.importorskip("cutlass")
@@ -123,7 +139,7 @@ def test_the_build_drops_entries_of_other_sources(tmp_path, monkeypatch):
     (tmp_path / "new.cubin").write_bytes(b"new")
     manifest = build.build_cubins(tmp_path, [KEY], jobs=1, builds=[M.FOLDED])
     assert [e["cubin"] for e in manifest["kernels"]] == ["new.cubin"]
-    assert manifest["fingerprint"] == M.source_fingerprint(build._dsl_version())
+    assert manifest["fingerprint"] == M.source_fingerprint(build.dsl_version())
     assert manifest["publish"]["sha256"] == M.file_sha256(tmp_path / M.PUBLISH_CUBIN)
 
 

@@ -20,7 +20,7 @@ import oproj_jax
 from oproj_jax import configs, reference
 from oproj_jax.cute import ffi
 from oproj_jax.api import Dims
-from oproj_jax.cute import backend
+from oproj_jax.cute import backend, cache
 from oproj_jax.cute import manifest as cute_manifest
 
 H = configs.HIDDEN
@@ -50,22 +50,24 @@ def fake_cubins(tmp_path, monkeypatch, library):
                 params=[".u64"] * (17 if key["twoshot"] else 14),
             )
         )
-    # the folded build of the oneshot key (128 threads), which ready mode (the registry) takes
-    (tmp_path / "variant0f.cubin").write_bytes(b"not a cubin either")
-    kernels.append(
-        dict(
-            kernels[0],
-            fold=True,
-            cubin="variant0f.cubin",
-            entry="kernel_entry_0f",
-            dynamic_smem_bytes=30000,
-            block=[128, 1, 1],
+    # the folded builds (128 threads), which both modes launch (manifest.build_for)
+    for i in range(2):
+        (tmp_path / f"variant{i}f.cubin").write_bytes(b"not a cubin either")
+        kernels.append(
+            dict(
+                kernels[i],
+                fold=True,
+                cubin=f"variant{i}f.cubin",
+                entry=f"kernel_entry_{i}f",
+                dynamic_smem_bytes=30000 + i,
+                block=[128, 1, 1],
+            )
         )
-    )
     manifest = cute_manifest.seal(dict(arch="sm_90a", cutlass_dsl="4.8.1", H=H, kernels=kernels), tmp_path)
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     monkeypatch.setenv("OPROJ_JAX_CUBIN_DIR", str(tmp_path))
     monkeypatch.setenv("OPROJ_JAX_FFI_LIBRARY", str(library))
+    monkeypatch.setenv(cache.ENV_NO_COMPILE, "1")  # prebuilt cubins only
     return tmp_path
 
 
@@ -117,18 +119,27 @@ def test_every_graph_safe_target_has_a_record_stage():
     assert ffi.SYMBOLS[ffi.READY_TRACED_TARGET].command_buffer and ffi.SYMBOLS[ffi.READY_TRACED_TARGET].record is None
 
 
-def test_oneshot_lowers_to_our_custom_call(fake_cubins):
+@pytest.mark.parametrize(
+    "protocol_build, cubin, smem, block",
+    [
+        (cute_manifest.FOLDED, "variant0f", 30000, 128),  # the default: the build ready mode takes too
+        (cute_manifest.GROUPED, "variant0", 40000, 256),  # the A/B switch: 128 threads per group
+    ],
+    ids=lambda v: v.tag if isinstance(v, cute_manifest.Build) else None,
+)
+def test_oneshot_lowers_to_our_custom_call(fake_cubins, monkeypatch, protocol_build, cubin, smem, block):
+    monkeypatch.setattr(cute_manifest, "PROTOCOL_BUILD", protocol_build)
     fn = functools.partial(
-        backend.consume, eps=1e-6, out_eps=1e-5, has_delta=True, groups=2, xmoe_replicas=1, spin_limit=77
+        backend.consume, eps=1e-6, out_eps=1e-5, has_delta=True, groups=2, xmoe_replicas=1, timeout_us=77
     )
     text = lower_for_cuda(fn, spec(2, 3, H), spec(3, H), spec(3, 1, H), spec(H), spec(H), spec(H))
     (call,) = custom_calls(text, ffi.ONESHOT_TARGET)
     for attribute in (
-        f'cubin = "{fake_cubins / "variant0.cubin"}"',
-        'entry = "kernel_entry_0"',
-        "smem = 40000 : i64",
-        "block = 256 : i64",
-        "spin_limit = 77 : i32",
+        f'cubin = "{fake_cubins / (cubin + ".cubin")}"',
+        f'entry = "kernel_entry_{cubin.removeprefix("variant")}"',
+        f"smem = {smem} : i64",
+        f"block = {block} : i64",
+        "timeout_us = 77 : i32",
         "pdl = true",
         "eps = 9.99999997E-7 : f32",
         "out_eps = 9.99999974E-6 : f32",
@@ -144,6 +155,17 @@ def test_oneshot_lowers_to_our_custom_call(fake_cubins):
     assert "compare  EQ" in text or "compare EQ" in text, "the mailbox is sanitized (-0.0 -> +0.0) first"
 
 
+def test_every_wait_is_bounded_in_wall_time(fake_cubins):
+    """timeout_us is microseconds of the GPU's clock, an int in [1, 2**31): no "wait forever"."""
+    fn = functools.partial(backend.consume, eps=1e-6, out_eps=1e-6, has_delta=True, groups=2, xmoe_replicas=0)
+    args = (spec(2, 3, H), spec(3, H), spec(3, 1, H), spec(H), spec(H), spec(H))
+    for bad in (0, -1, 2**31):
+        with pytest.raises(ValueError, match="timeout_us: expected 1 <= timeout_us < 2[*][*]31 microseconds"):
+            lower_for_cuda(functools.partial(fn, timeout_us=bad), *args)
+    with pytest.raises(TypeError, match="timeout_us: expected an int"):
+        lower_for_cuda(functools.partial(fn, timeout_us=True), *args)
+
+
 def test_published_mailbox_goes_straight_to_the_kernel(fake_cubins):
     fn = functools.partial(
         backend.consume, eps=1e-6, out_eps=1e-6, has_delta=True, groups=2, xmoe_replicas=1, published=True
@@ -152,16 +174,16 @@ def test_published_mailbox_goes_straight_to_the_kernel(fake_cubins):
     (call,) = custom_calls(text, ffi.ONESHOT_TARGET)
     assert "compare" not in text and "select" not in text
     assert "custom_call @oproj_cute_consumer(%arg0," in call  # the caller's buffer itself
-    assert f"spin_limit = {backend.DEFAULT_SPIN_LIMIT} : i32" in call
+    assert f"timeout_us = {backend.DEFAULT_TIMEOUT_US} : i32" in call
 
 
 def test_registry_consumer_uses_the_ready_kernel(fake_cubins):
-    """The registry path reads an XLA-made mailbox once: ready target, spin_limit < 0, the mailbox
+    """The registry path reads an XLA-made mailbox once: ready target, timeout_us < 0, the mailbox
     neither sanitized nor aliased (so XLA never copies it), only the prefix updated in place."""
     fn = functools.partial(backend.consumer, eps=1e-6, out_eps=1e-6, has_delta=True, groups=2, xmoe_replicas=1)
     text = lower_for_cuda(fn, spec(2, 3, H), spec(3, H), spec(3, 1, H), spec(H), spec(H), spec(H))
     (call,) = custom_calls(text, ffi.READY_TARGET)
-    assert "spin_limit = -1 : i32" in call and 'entry = "kernel_entry_0f"' in call  # the folded build
+    assert "timeout_us = -1 : i32" in call and 'entry = "kernel_entry_0f"' in call  # the folded build
     assert "block = 128 : i64" in call and "smem = 30000 : i64" in call
     assert "custom_call @oproj_cute_consumer_ready(%arg0," in call  # the caller's mailbox itself
     assert "compare" not in text and "select" not in text
@@ -190,7 +212,7 @@ def test_twoshot_lowers_to_our_custom_call(fake_cubins):
     fn = functools.partial(backend.consume_twoshot, me=1, has_delta=False, groups=1, xmoe_replicas=0)
     text = lower_for_cuda(fn, spec(2, 5, H // 2), spec(1, 5, H), spec(5, H), spec(5, 0, H), spec(H), spec(H), spec(H))
     (call,) = custom_calls(text, ffi.TWOSHOT_TARGET)
-    assert "me = 1 : i32" in call and 'entry = "kernel_entry_1"' in call and "block = 128 : i64" in call
+    assert "me = 1 : i32" in call and 'entry = "kernel_entry_1f"' in call and "block = 128 : i64" in call
     aliases = set(re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", call))
     assert aliases == {("0", "0"), ("1", "1"), ("4", "6"), ("5", "7"), ("6", "8")}
 
@@ -226,8 +248,14 @@ def test_unavailable_reasons(monkeypatch, tmp_path):
     assert "not built" in reason and ffi.BUILD_COMMAND in reason
     (tmp_path / "missing.so").write_bytes(b"")
     monkeypatch.setenv("OPROJ_JAX_CUBIN_DIR", str(tmp_path / "no_cubins"))
+    monkeypatch.setattr(cache, "_dsl_installed", lambda: False)
     reason = backend.unavailable_reason("gpu")
     assert "manifest" in reason and "python -m oproj_jax.build" in reason
+    assert "installing the `cute` extra (pip install 'oproj-jax[cute]') enables compile-on-first-use" in reason
+    monkeypatch.setattr(cache, "_dsl_installed", lambda: True)  # every variant compiles on first use
+    assert backend.unavailable_reason("gpu") is None
+    monkeypatch.setenv(cache.ENV_NO_COMPILE, "1")
+    assert "compile-on-first-use is off" in backend.unavailable_reason("gpu")
 
 
 def test_unsupported_reasons(fake_cubins):
@@ -237,7 +265,21 @@ def test_unsupported_reasons(fake_cubins):
     assert backend.unsupported_reason(Dims(2, 3, 1, H), has_delta=True, groups=2, xmoe_replicas=1) is None
     reason = backend.unsupported_reason(Dims(16, 3, 8, H), has_delta=True, groups=4, xmoe_replicas=0)
     assert "R=16 NB=8 has_delta=True groups=4 xmoe_replicas=0 twoshot=False" in reason
-    assert "python -m oproj_jax.cute.build --key 16,8,1,4,0,0" in reason
+    assert "python -m oproj_jax.cute.build --key 16,8,1,4,0,0 --builds f0" in reason
+    assert "compile-on-first-use is off" in reason
+    # an equivalent `groups` (the same summation order at R = 2) finds the prebuilt cubin
+    assert backend.unsupported_reason(Dims(2, 3, 1, H), has_delta=True, groups=4, xmoe_replicas=1) is None
+
+
+def test_without_the_dsl_a_missing_variant_names_the_build_and_the_cute_extra(fake_cubins, monkeypatch):
+    monkeypatch.delenv(cache.ENV_NO_COMPILE)
+    monkeypatch.setattr(cache, "_dsl_installed", lambda: False)
+    with pytest.raises(ValueError) as err:
+        backend._kernel(backend.kernel_key(16, 8, has_delta=True, groups=4, xmoe_replicas=0, twoshot=False), 1, True)
+    message = str(err.value)
+    assert "R=16 NB=8 has_delta=True groups=4" in message and str(fake_cubins) in message
+    assert "python -m oproj_jax.cute.build --key 16,8,1,4,0,0 --builds f0" in message
+    assert "installing the `cute` extra (pip install 'oproj-jax[cute]') enables compile-on-first-use" in message
 
 
 def test_cute_on_cpu_raises_through_the_public_api():

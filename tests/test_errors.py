@@ -86,7 +86,7 @@ CASES = [
     ("out_eps-nan", {}, dict(out_eps=float("nan")), ValueError, ["out_eps:", "finite", "nan"]),
     ("out_eps-str", {}, dict(out_eps="x"), TypeError, ["out_eps:", "float", "str"]),
     # backend names
-    ("backend-unknown", {}, dict(backend="triton"), ValueError, ["backend:", "'reference'", "'auto'", "'triton'"]),
+    ("backend-unknown", {}, dict(backend="tpu"), ValueError, ["backend:", "'reference'", "'auto'", "'tpu'"]),
     ("backend-not-str", {}, dict(backend=3), TypeError, ["backend:", "str", "int"]),
 ]
 
@@ -163,15 +163,15 @@ def kernel_module(name: str):
         raise
 
 
-@pytest.mark.parametrize("name", ["cute", "pallas"])
+@pytest.mark.parametrize("name", ["cute", "pallas", "triton"])
 def test_kernel_backend_that_cannot_run_raises(name):
     """Naming a kernel that cannot run here (platform, or this small shape) raises ValueError
     with its reason; it never falls back to another backend."""
     module = kernel_module(name)
     platform = jax.default_backend()
     reason = module.unavailable_reason(platform)
-    if name == "cute" and platform not in ("gpu", "cuda"):
-        assert reason, "the CuTe kernel cannot run off an NVIDIA GPU, yet reports no reason"
+    if name in ("cute", "triton") and platform not in ("gpu", "cuda"):
+        assert reason, f"the {name} kernel cannot run off an NVIDIA GPU, yet reports no reason"
     if reason is None:
         options = {k: v for k, v in VALID_OPTIONS.items() if k != "backend"}
         reason = module.unsupported_reason(api.Dims(R, T, NB, H), **options)

@@ -139,7 +139,7 @@ def test_xla_command_buffer_chain_stays_exact(mesh, tmp_path):
 def test_a_peer_that_never_rearms_makes_the_publish_give_up(mesh):
     """Rank 0 alone (a plain jit on its device, rank 1 never runs): its first step publishes into
     rank 1's mailbox, which nobody consumes; its second step's publish finds that slot never
-    re-armed and gives up after spin_limit rounds (status 4), and its consumer times out on
+    re-armed and gives up after timeout_us microseconds (status 4), and its consumer times out on
     rank 1's missing slot (status 1): status 5, in bounded time. reset() recovers the group."""
     cfg = configs.Config(R, 3, 0, groups=1, has_delta=False)
     x = configs.make_inputs(cfg, seed=11)
@@ -154,7 +154,7 @@ def test_a_peer_that_never_rearms_makes_the_publish_give_up(mesh):
             has_delta=False,
             groups=1,
             xmoe_replicas=0,
-            options=peer.PeerOptions(spin_limit=1 << 12),
+            options=peer.PeerOptions(timeout_us=5_000),
         )
     )
     args = [jax.device_put(a, device) for a in (x["mailbox"][0], *_args(x)[1:])]
@@ -200,7 +200,7 @@ def test_peer_bits_equal_oneshot(mesh, cfg):
 def test_missing_rank_errors_in_bounded_time(mesh):
     cfg = configs.Config(R, 8, 0, groups=2, has_delta=False)
     x = configs.make_inputs(cfg, seed=5)
-    options = peer.PeerOptions(spin_limit=1 << 16, skip_publish_rank=1)
+    options = peer.PeerOptions(timeout_us=50_000, skip_publish_rank=1)
     start = time.perf_counter()
     with pytest.raises(RuntimeError, match=r"mode='peer'.*gave up polling"):
         tp_consumer(*_args(x), mesh=mesh, mode="peer", peer_options=options, **cfg.options())

@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import Mesh
 
 from oproj_jax import configs, sharded
-from oproj_jax.cute import backend, ffi, peer
+from oproj_jax.cute import backend, cache, ffi, peer
 from oproj_jax.cute import manifest as cute_manifest
 
 H = configs.HIDDEN
@@ -55,7 +55,7 @@ def gpu_mesh_here(tmp_path, monkeypatch, library):
         _entry(R, NB, d, g, x, b)
         for R in (2, 4)
         for NB, d in ((0, False), (8, True))
-        for g in (1, 2, 4)
+        for g in sorted({cute_manifest.effective_groups(R, g) for g in (1, 2, 4)})  # one entry per key
         for x in (0, 1)
         for b in cute_manifest.BUILDS
     ]
@@ -70,6 +70,7 @@ def gpu_mesh_here(tmp_path, monkeypatch, library):
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     monkeypatch.setenv("OPROJ_JAX_CUBIN_DIR", str(tmp_path))
     monkeypatch.setenv("OPROJ_JAX_FFI_LIBRARY", str(library))
+    monkeypatch.setenv(cache.ENV_NO_COMPILE, "1")  # prebuilt cubins only
     monkeypatch.setattr(backend, "_is_cuda", lambda platform: True)
     sharded._sharded.cache_clear()
     yield tmp_path
@@ -121,11 +122,11 @@ def test_tp_consumer_lowers_to_one_peer_call_and_no_collective(gpu_mesh_here, R,
         f"group = dense<[{ordinals}]> : tensor<{R}xi64>",
         f"ranks = {R} : i64",
         "skip_rank = -1 : i32",
-        f"spin_limit = {backend.DEFAULT_SPIN_LIMIT} : i32",
+        f"timeout_us = {backend.DEFAULT_TIMEOUT_US} : i32",
         "has_side_effect = true",
         "pdl = true",
-        f"block = {128 * groups} : i64",  # the grouped (protocol) build, not ready mode's folded one
-        f'entry = "entry_R{R}_NB0_0_G{groups}_x{reps}_m0"',
+        "block = 128 : i64",  # the folded build: protocol mode's too (manifest.PROTOCOL_BUILD)
+        f'entry = "entry_R{R}_NB0_0_G{cute_manifest.effective_groups(R, groups)}_x{reps}_f0"',
         'publish_entry = "publish_entry"',
     ):
         assert attribute in call, attribute
@@ -138,16 +139,18 @@ def test_tp_consumer_lowers_to_one_peer_call_and_no_collective(gpu_mesh_here, R,
     assert f"tensor<{R}xi32>" in text.split("func.func private")[0], "status: one word per rank"
 
 
-def test_large_T_takes_the_bounded_build_and_options_reach_the_call(gpu_mesh_here):
+def test_the_protocol_build_setting_and_options_reach_the_call(gpu_mesh_here, monkeypatch):
+    """manifest.PROTOCOL_BUILD picks the cubin of an A/B run (bench/tp.py --protocol-build m3)."""
+    monkeypatch.setattr(cute_manifest, "PROTOCOL_BUILD", cute_manifest.GROUPED_BOUNDED)
     mesh = _mesh((2,), ("tp",))
-    options = peer.PeerOptions(spin_limit=1234, skip_publish_rank=1)
+    options = peer.PeerOptions(timeout_us=1234, skip_publish_rank=1)
 
     def fn(*args):
-        return sharded.tp_consumer(*args, mesh=mesh, mode="peer", groups=2, peer_options=options)  # backend auto
+        return sharded.tp_consumer(*args, mesh=mesh, mode="peer", groups=4, peer_options=options)  # backend auto
 
-    (call,) = _peer_calls(_lower(fn, *_consumer_args(2, cute_manifest.LARGE_T + 1, 8)))
-    assert 'entry = "entry_R2_NB8_1_G2_x0_m3"' in call  # protocol mode above LARGE_T
-    assert "spin_limit = 1234 : i32" in call and "skip_rank = 1 : i32" in call
+    (call,) = _peer_calls(_lower(fn, *_consumer_args(2, 65, 8)))
+    assert 'entry = "entry_R2_NB8_1_G2_x0_m3"' in call and "block = 256 : i64" in call  # groups 4 sums as 2 at R=2
+    assert "timeout_us = 1234 : i32" in call and "skip_rank = 1 : i32" in call
 
 
 def test_fused_oproj_lowers_to_dot_then_peer_call(gpu_mesh_here):
@@ -223,17 +226,20 @@ def test_peer_options_are_checked():
     with pytest.raises(ValueError, match="skip_publish_rank must be a rank < 2"):
         sharded.tp_consumer(*_inputs(), mesh=mesh, mode="peer", peer_options=peer.PeerOptions(skip_publish_rank=2))
     with pytest.raises(TypeError, match="peer_options: expected oproj_jax.cute.peer.PeerOptions"):
-        sharded.tp_consumer(*_inputs(), mesh=mesh, mode="peer", peer_options={"spin_limit": 5})
-    with pytest.raises(ValueError, match="spin_limit: expected an int"):
-        peer.PeerOptions(spin_limit=-1)
+        sharded.tp_consumer(*_inputs(), mesh=mesh, mode="peer", peer_options={"timeout_us": 5})
+    for bad in (-1, 0, 2**31):  # no "wait forever": every wait is bounded
+        with pytest.raises(ValueError, match="timeout_us: expected 1 <= timeout_us"):
+            peer.PeerOptions(timeout_us=bad)
+    with pytest.raises(TypeError, match="timeout_us: expected an int"):
+        peer.PeerOptions(timeout_us=1.5)
     with pytest.raises(ValueError, match="skip_publish_rank"):
         peer.PeerOptions(skip_publish_rank=True)
 
 
 def test_unsupported_shapes_raise(gpu_mesh_here):
     mesh = _mesh((2,), ("tp",))
-    with pytest.raises(ValueError, match=r"mode: mode='peer' cannot run this call: no CuTe cubin .*groups=3"):
-        sharded.tp_consumer(*_inputs(), mesh=mesh, mode="peer", groups=3, has_delta=False)
+    with pytest.raises(ValueError, match=r"mode: mode='peer' cannot run this call: no prebuilt CuTe cubin .*NB=1"):
+        sharded.tp_consumer(*_inputs(NB=1), mesh=mesh, mode="peer", groups=1, has_delta=False)
     assert "up to 16 ranks" in peer.unsupported_reason(configs_dims(17), has_delta=True, groups=4, xmoe_replicas=0)
 
 

@@ -7,20 +7,22 @@ rank's stream runs publish(k) then consume(k) for k = 0, 1, ...:
   * publish(k) owns one (destination, fragment) pair per destination rank and fragment of its
     partial (-0.0 -> +0.0). Each scheduled action tries one pair: it loads the destination
     fragment and stores the data only if all four words are the sentinel (WAIT FOR EMPTY);
-    otherwise it counts a polling round, and after `spin_limit` rounds it gives up on the pair
+    otherwise it counts a polling round, and after `patience` rounds it gives up on the pair
     without storing (status 4). publish(k+1) starts only once consume(k) finished (the publish
     kernel's griddepcontrol.wait); consume(k) only once publish(k) finished (the consumer's).
   * consume(k) works fragment by fragment (a thread each): a polling round reloads every slot's
     fragment not yet complete and keeps the complete ones (no sentinel word); once all R are
     complete it has READ them, then re-arms them one slot at a time (separate actions). After
-    `spin_limit` rounds it gives up (status 1), keeps what it has, and still re-arms.
-A random scheduler interleaves every rank's enabled actions; the status of a step is the OR of
+    `patience` rounds it gives up (status 1), keeps what it has, and still re-arms.
+The kernels bound each wait in wall time (timeout_us); the model counts it in a thread's own
+polling rounds (`patience`), the only clock a schedule has. A random scheduler interleaves
+every rank's enabled actions; the status of a step is the OR of
 the consumer's and the publish's codes, as PeerResult.status.
 
 Checked: every consumer reads exactly the sanitized partials of its own step, and the prefix of
 every rank at every step equals the oneshot reference on the original partials, bit for bit,
 for groups 1..4 and R = 2, 3, 5; every mailbox ends re-armed. A rank that never publishes turns
-into status 1 on every rank within spin_limit rounds; a rank whose consumer never runs makes
+into status 1 on every rank within patience rounds; a rank whose consumer never runs makes
 its peers' next publish give up (status 4) without storing into its slot; reset() (re-arm)
 makes the next steps exact again. Three deliberately broken protocols are caught by some
 schedule: a publish that does not wait for empty, a consumer that re-arms before it reads, and
@@ -68,14 +70,14 @@ class Model:
         self,
         R: int,
         *,
-        spin_limit: int,
+        patience: int,
         wait_for_empty: bool = True,
         read_after_rearm: bool = False,
         publish_waits: bool = True,
         skip_rank: int | None = None,
         frozen: dict | None = None,
     ):
-        self.R, self.spin_limit = R, spin_limit
+        self.R, self.patience = R, patience
         self.wait_for_empty, self.read_after_rearm, self.publish_waits = wait_for_empty, read_after_rearm, publish_waits
         self.skip_rank, self.frozen = skip_rank, dict(frozen or {})
         self.mailbox = np.zeros((R, R, FRAGMENTS, 4), np.uint32)  # [owner, slot, fragment, word]
@@ -149,7 +151,7 @@ class Model:
         else:
             pairs[(dest, f)] += 1
             self.blocked_tries += 1
-            if self.spin_limit and pairs[(dest, f)] >= self.spin_limit:
+            if self.patience and pairs[(dest, f)] >= self.patience:
                 status[k, r] |= UNARMED  # give up: nothing stored into a slot not re-armed
                 self.gave_up.append(("publisher", r, k, pairs[(dest, f)]))
                 del pairs[(dest, f)]
@@ -176,7 +178,7 @@ class Model:
                         s["latched"][slot] = words
             s["rounds"] += 1
             complete = len(s["latched"]) == self.R
-            if not complete and self.spin_limit and s["rounds"] >= self.spin_limit:
+            if not complete and self.patience and s["rounds"] >= self.patience:
                 status[k, r] |= EMPTY_SLOT  # gives up, continues with what it has
                 self.gave_up.append(("consumer", r, k, s["rounds"]))
                 for slot in range(self.R):
@@ -246,7 +248,7 @@ def _steps_exact(partials, read, status, weights, groups) -> bool:
 def test_random_schedules_give_the_oneshot_bits(weights, R, groups):
     rng = np.random.default_rng(100 + 10 * R + groups)
     for trial in range(12):
-        model = Model(R, spin_limit=0)
+        model = Model(R, patience=0)
         partials, read, status = _run(model, rng, steps=5)
         assert not status.any()
         # every consumer read exactly the sanitized partials of its step (no stale or future slot)
@@ -262,7 +264,7 @@ def test_a_publisher_can_run_a_step_ahead_of_a_slow_consumer():
     rng = np.random.default_rng(21)
     blocked = 0
     for _ in range(10):
-        model = Model(2, spin_limit=0)
+        model = Model(2, patience=0)
         partials, read, status = _run(model, rng, steps=4)
         assert _reads_exact(partials, read, status)
         blocked += model.blocked_tries
@@ -293,7 +295,7 @@ def test_the_model_catches_a_broken_protocol(weights, ablation):
     rng = np.random.default_rng(11)
     broken = 0
     for _ in range(40):
-        model = Model(3, spin_limit=60, **ablation)
+        model = Model(3, patience=60, **ablation)
         partials, read, status = _run(model, rng, steps=4)
         broken += not _reads_exact(partials, read, status)
         if broken >= 3:
@@ -302,7 +304,7 @@ def test_the_model_catches_a_broken_protocol(weights, ablation):
     # and the reference consumer sees it too (not only the raw reads)
     rng = np.random.default_rng(12)
     for _ in range(40):
-        partials, read, status = _run(Model(3, spin_limit=60, **ablation), rng, steps=4)
+        partials, read, status = _run(Model(3, patience=60, **ablation), rng, steps=4)
         if not _reads_exact(partials, read, status):
             assert not _steps_exact(partials, read, status, weights, 2)
             break
@@ -312,13 +314,13 @@ def test_the_design_passes_the_ablations_schedules(weights):
     """The same seeds and sizes as the ablation test, with the design: always exact."""
     rng = np.random.default_rng(11)
     for _ in range(20):
-        partials, read, status = _run(Model(3, spin_limit=60), rng, steps=4)
+        partials, read, status = _run(Model(3, patience=60), rng, steps=4)
         assert _reads_exact(partials, read, status)
 
 
 def test_a_missing_rank_times_out_everywhere_then_reset_recovers(weights):
     rng = np.random.default_rng(3)
-    model = Model(3, spin_limit=40, skip_rank=1)
+    model = Model(3, patience=40, skip_rank=1)
     partials = _random_partials(rng, 2, 3)
     read, status = model.run(partials, rng, steps=2)
     assert (status & EMPTY_SLOT).all(), "every rank waits for rank 1's slot and gives up"
@@ -331,11 +333,11 @@ def test_a_missing_rank_times_out_everywhere_then_reset_recovers(weights):
 
 def test_a_peer_that_never_rearms_makes_the_publish_give_up_without_storing(weights):
     """Rank 1 publishes step 0 and hangs (its consumer never runs): rank 0's step-1 publish finds
-    its slot in rank 1's mailbox still holding step 0, gives up after spin_limit rounds (status
+    its slot in rank 1's mailbox still holding step 0, gives up after patience rounds (status
     4) and leaves it alone; rank 0's step-1 consumer gives up too (rank 1 never published step
     1): status 1 | 4. After reset() the group is exact again."""
     rng = np.random.default_rng(8)
-    model = Model(2, spin_limit=30, frozen={1: 1})
+    model = Model(2, patience=30, frozen={1: 1})
     partials = _random_partials(rng, 2, 2)
     read, status = model.run(partials, rng, steps=2)
     assert model.consumed == [2, 0] and not model.publishing[0], "rank 0 finished both steps, bounded"
@@ -353,20 +355,20 @@ def test_a_peer_that_never_rearms_makes_the_publish_give_up_without_storing(weig
 
 @pytest.mark.parametrize("who", ["consumer", "publisher"])
 def test_the_wait_is_bounded_by_polling_rounds(who):
-    """A wait that never ends gives up after exactly spin_limit rounds of its own, whatever the
+    """A wait that never ends gives up after exactly patience rounds of its own, whatever the
     other ranks do (here: only one rank is scheduled)."""
-    spin_limit = 7
+    patience = 7
     rng = np.random.default_rng(4)
     partials = _random_partials(rng, 1, 2)
     if who == "consumer":  # rank 0 never publishes: rank 1's consumer waits for slot 0
-        model, me = Model(2, spin_limit=spin_limit, skip_rank=0), 1
+        model, me = Model(2, patience=patience, skip_rank=0), 1
     else:  # rank 1 holds rank 0's earlier data nobody consumes: rank 0's publish waits for the re-arm
-        model, me = Model(2, spin_limit=spin_limit), 0
+        model, me = Model(2, patience=patience), 0
         model.mailbox[1, 0] = 0
     read, status = model.run(partials, rng, steps=1, only=[me])
     assert model.consumed[me] == 1 and not model.publishing[me]
     waits = [g for g in model.gave_up if g[0] == who]
-    assert len(waits) == FRAGMENTS and all(g[1:] == (me, 0, spin_limit) for g in waits)
+    assert len(waits) == FRAGMENTS and all(g[1:] == (me, 0, patience) for g in waits)
     if who == "consumer":
         assert status[0, me] == EMPTY_SLOT
     else:  # its consumer waits for rank 1's slot, which never comes, too

@@ -39,8 +39,8 @@ def parse_args(argv):
     parser.add_argument(
         "--backends",
         default="all",
-        help="comma-separated backend names from the registry, plus 'torch' and 'cute-graph'; 'all' (default) = every "
-        "one that can run here",
+        help="comma-separated backend names from the registry, plus 'torch', 'cute-graph' and 'triton-torch' (PyTorch "
+        "launches in CUDA graphs); 'all' (default) = every one that can run here",
     )
     parser.add_argument(
         "--tokens",

@@ -1,9 +1,10 @@
 """Which backends can run here: the JAX registry (api.py) plus the optional PyTorch baseline.
 
 Every name in the registry is asked, one at a time, so a backend whose module is missing or
-broken is reported with its reason instead of hiding the others. Two names are not registry
-backends: "torch" times `oproj_jax.torch_ref` on CUDA tensors as a baseline, and "cute-graph"
-times the CuTe cubin launched by cuda-python inside CUDA graphs; both run in PyTorch's process.
+broken is reported with its reason instead of hiding the others. Three names are not registry
+backends: "torch" times `oproj_jax.torch_ref` on CUDA tensors as a baseline, "cute-graph" the
+CuTe cubin launched by cuda-python inside CUDA graphs, and "triton-torch" the Triton kernels of
+backend="triton" launched from PyTorch inside CUDA graphs; all run in PyTorch's process.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from oproj_jax import api
 
 TORCH = "torch"
 CUTE_GRAPH = "cute-graph"
-TORCH_PROCESS = (TORCH, CUTE_GRAPH)  # timed in PyTorch's process, through CUDA graphs (not registry names)
+TRITON_TORCH = "triton-torch"
+# timed in PyTorch's process, through CUDA graphs (not registry names) -> the registry backend whose kernel they launch
+TORCH_PROCESS = {TORCH: None, CUTE_GRAPH: "cute", TRITON_TORCH: "triton"}
 
 
 def registry_names() -> list[str]:
@@ -52,20 +55,33 @@ def cute_graph_unavailable_reason(status: dict[str, str | None]) -> str | None:
     return None
 
 
+def triton_torch_unavailable_reason() -> str | None:
+    """None when the Triton kernels can be launched from PyTorch (torch with CUDA, triton). The
+    compute capability (8.0 or newer) is the entry's own check, in PyTorch's process."""
+    why = torch_unavailable_reason()
+    if why:
+        return why
+    try:
+        from oproj_jax.triton import torch_launch  # noqa: F401
+    except ImportError as err:
+        return f"the Triton kernels need triton ({err}): pip install oproj-jax[triton]"
+    return None
+
+
 def backend_status(platform: str, *, with_torch: bool = True) -> dict[str, str | None]:
     status = jax_backend_status(platform)
     if with_torch:
         status[TORCH] = torch_unavailable_reason()
         status[CUTE_GRAPH] = cute_graph_unavailable_reason(status)
+        status[TRITON_TORCH] = triton_torch_unavailable_reason()
     return status
 
 
 def unsupported_reason(name: str, dims: api.Dims, options: dict) -> str | None:
     """None when backend `name` handles these dims/options, else why not (the registry's answer)."""
-    if name == TORCH:
+    name = TORCH_PROCESS.get(name, name)
+    if name is None:  # the PyTorch baseline handles every call
         return None
-    if name == CUTE_GRAPH:
-        name = "cute"
     try:
         return api.unsupported_reason(name, dims, **options)
     except Exception as err:

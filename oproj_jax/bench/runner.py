@@ -71,7 +71,7 @@ def _cubin_build() -> dict | None:
         cutlass_dsl=built.get("cutlass_dsl"),
         builds=builds,
         ready_build=manifest.build_for(1, True).tag,
-        large_t=manifest.LARGE_T,
+        protocol_build=manifest.build_for(1, False).tag,
         kernels=len(built.get("kernels", [])),
     )
 

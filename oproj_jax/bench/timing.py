@@ -162,9 +162,20 @@ def slope(
 
 
 def time_backend(
-    backend: str, pool: bench_inputs.DevicePool, config: configs.Config, k1: int, k2: int, reps: int, profile: bool
+    backend: str,
+    pool: bench_inputs.DevicePool,
+    config: configs.Config,
+    k1: int,
+    k2: int,
+    reps: int,
+    profile: bool,
+    *,
+    step=None,
+    profile_single: bool = True,
 ) -> Timing:
-    step = consumer_step(backend, config)
+    """`step`: the jitted call to chain (default consumer_step(backend, config); a variant of a
+    backend's kernel, say); `backend` then only names the chains."""
+    step = step or consumer_step(backend, config)
     fn1 = consumer_chain(step, k1, f"chain_{backend}_T{config.T}_K{k1}")
     fn2 = consumer_chain(step, k2, f"chain_{backend}_T{config.T}_K{k2}")
     us, m1, m2, noise = slope(fn1, fn2, pool.args, k1, k2, reps)
@@ -173,7 +184,8 @@ def time_backend(
         (timing.us_profiler, timing.profiler_note, timing.us_profiler_kernels, timing.us_profiler_busy) = (
             profiled_us_per_call(fn2, pool.args, k2)
         )
-        timing.us_profiler_single, timing.profiler_single_note, _, _ = profiled_single_us(step, pool)
+        if profile_single:
+            timing.us_profiler_single, timing.profiler_single_note, _, _ = profiled_single_us(step, pool)
     return timing
 
 

@@ -5,7 +5,9 @@ K1, K2. Cross-check: torch.profiler's CUDA kernel durations of one K2 replay. Im
 
   "torch":      the PyTorch baseline, oproj_jax.torch_ref (rank-order adds + AttnRes in torch ops)
   "cute-graph": the CuTe cubin itself, launched by cuda-python (cute/driver_launch.py) as a
-                CUDA-graph decode loop (vLLM's way) would run it: no XLA launch in between"""
+                CUDA-graph decode loop (vLLM's way) would run it: no XLA launch in between
+  "triton-torch": the Triton kernels of backend="triton", launched from PyTorch
+                (oproj_jax/triton/torch_launch.py), the same way"""
 
 from __future__ import annotations
 
@@ -80,9 +82,14 @@ def graph_timing(torch, chain, lists, k1: int, k2: int, reps: int, profile: bool
     return timing
 
 
-def _device_lists(torch, case, k2: int, l2_bytes: int):
+def _device_base(torch, case):
+    """(the case's inputs on the GPU by name, the three weight tensors)."""
     base = {name: _to_cuda(torch, case.inputs[name]) for name in ("mailbox", "blocks", "prefix", *bench_inputs.WEIGHTS)}
-    weights = [base[name] for name in bench_inputs.WEIGHTS]
+    return base, [base[name] for name in bench_inputs.WEIGHTS]
+
+
+def _device_lists(torch, case, k2: int, l2_bytes: int):
+    base, weights = _device_base(torch, case)
     lists = [
         (
             [base["mailbox"].clone() for _ in range(k2)],
@@ -99,23 +106,76 @@ def time_torch(case: bench_inputs.HostCase, k1: int, k2: int, reps: int, *, l2_b
 
     from oproj_jax import torch_ref
 
-    config = case.config
-    options = dict(
-        eps=EPS, out_eps=EPS, has_delta=config.has_delta, groups=config.groups, xmoe_replicas=config.xmoe_replicas
-    )
+    return _time_entry(torch, torch_ref.consumer, case, k1, k2, reps, l2_bytes=l2_bytes, profile=profile, what="calls")
+
+
+def _time_entry(torch, consumer, case, k1: int, k2: int, reps: int, *, l2_bytes: int, profile: bool, what: str):
+    """graph_timing of chains of `consumer(mailbox, prefix, blocks, *weights, **options)` calls
+    (the prefix threaded through)."""
+    options = _options(case.config)
     base, weights, lists = _device_lists(torch, case, k2, l2_bytes)
 
     def chain(k, mailboxes, blocks, prefix):
         outs = []
         for i in range(k):
-            prefix, output, xmoe = torch_ref.consumer(mailboxes[i], prefix, blocks[i], *weights, **options)
+            prefix, output, xmoe = consumer(mailboxes[i], prefix, blocks[i], *weights, **options)
             outs.append((output, xmoe))
         return prefix, outs
 
-    timing = graph_timing(torch, chain, lists, k1, k2, reps, profile, "calls")
+    timing = graph_timing(torch, chain, lists, k1, k2, reps, profile, what)
     del lists, base
     torch.cuda.empty_cache()
     return timing
+
+
+def time_triton_torch(
+    case: bench_inputs.HostCase, k1: int, k2: int, reps: int, *, l2_bytes: int, profile: bool, variant=None
+) -> Timing:
+    """The Triton kernels launched from PyTorch (oproj_jax/triton/torch_launch.py) in CUDA graphs:
+    the same kernels backend="triton" runs, without XLA in between. `variant`: a name of
+    oproj_jax.triton.plan.VARIANTS (None: the default rule). Checked first: one launch's prefix
+    must equal torch_ref's bits."""
+    import functools
+
+    import torch
+
+    from oproj_jax.triton import plan, torch_launch
+
+    consumer = functools.partial(torch_launch.consumer, variant=variant)
+    base, weights = _device_base(torch, case)
+    prefix = base["prefix"].clone()
+    _, output, _ = consumer(base["mailbox"], prefix, base["blocks"], *weights, **_options(case.config))
+    err = _check_against_torch_ref(torch, "triton-torch", case.config, base, weights, prefix, output)
+    del base, weights, prefix, output
+    chosen = plan.choose(variant, case.config.T, case.config.H).name
+    timing = _time_entry(
+        torch, consumer, case, k1, k2, reps, l2_bytes=l2_bytes, profile=profile, what=f"Triton launches ({chosen})"
+    )
+    timing.method_text += f"; checked first: prefix bits == torch_ref, output rel L2 {err:.1e}"
+    return timing
+
+
+def _options(config) -> dict:
+    return dict(
+        eps=EPS, out_eps=EPS, has_delta=config.has_delta, groups=config.groups, xmoe_replicas=config.xmoe_replicas
+    )
+
+
+def _check_against_torch_ref(torch, name: str, config, base: dict, weights, prefix, output) -> float:
+    """One launch's (prefix, output) on the base inputs against torch_ref: prefix bits equal,
+    output within the oracle's relative L2; raises RuntimeError, else returns the rel L2."""
+    from oproj_jax import testing, torch_ref
+
+    want_prefix, want_output, _ = torch_ref.consumer(
+        base["mailbox"], base["prefix"], base["blocks"], *weights, **dict(_options(config), xmoe_replicas=0)
+    )
+    torch.cuda.synchronize()
+    if not torch.equal(prefix.view(torch.int16), want_prefix.view(torch.int16)):
+        raise RuntimeError(f"{name} {config.name}: prefix bits differ from torch_ref")
+    err = float((output.double() - want_output.double()).norm() / want_output.double().norm())
+    if not err < testing.OUTPUT_REL_L2_TOL:
+        raise RuntimeError(f"{name} {config.name}: output rel L2 {err:.2e} vs torch_ref")
+    return err
 
 
 def time_cute_graph(
@@ -126,7 +186,6 @@ def time_cute_graph(
     launch per call. Checked first: one launch's prefix must equal torch_ref's bits."""
     import torch
 
-    from oproj_jax import testing, torch_ref
     from oproj_jax.cute import backend, driver_launch
 
     config = case.config
@@ -158,29 +217,12 @@ def time_cute_graph(
             flags.data_ptr() + 4,
             flags.data_ptr(),
         ]
-        launch(T, pointers, EPS, EPS, backend.READY_SPIN_LIMIT)
+        launch(T, pointers, EPS, EPS, backend.READY_TIMEOUT_US)
         return output, xmoe
 
-    # check: one launch against the torch reference (prefix bits; output to bf16 rounding)
     prefix = base["prefix"].clone()
     output, _ = call(base["mailbox"], prefix, base["blocks"])
-    want_prefix, want_output, _ = torch_ref.consumer(
-        base["mailbox"],
-        base["prefix"],
-        base["blocks"],
-        *weights,
-        eps=EPS,
-        out_eps=EPS,
-        has_delta=config.has_delta,
-        groups=config.groups,
-        xmoe_replicas=0,
-    )
-    torch.cuda.synchronize()
-    if not torch.equal(prefix.view(torch.int16), want_prefix.view(torch.int16)):
-        raise RuntimeError(f"cute-graph {config.name}: prefix bits differ from torch_ref")
-    err = float((output.double() - want_output.double()).norm() / want_output.double().norm())
-    if not err < testing.OUTPUT_REL_L2_TOL:
-        raise RuntimeError(f"cute-graph {config.name}: output rel L2 {err:.2e} vs torch_ref")
+    err = _check_against_torch_ref(torch, "cute-graph", config, base, weights, prefix, output)
 
     def chain(k, mailboxes, blocks, prefix):
         return [call(mailboxes[i], prefix, blocks[i]) for i in range(k)]
@@ -268,4 +310,5 @@ def _profiled(torch, graph, k: int) -> tuple[float | None, str]:
         return None, f"torch.profiler failed: {type(err).__name__}: {err}"
 
 
-TIMERS = {"torch": time_torch, "cute-graph": time_cute_graph}  # bench/backends.py: TORCH, CUTE_GRAPH
+# bench/backends.py: TORCH, CUTE_GRAPH, TRITON_TORCH
+TIMERS = {"torch": time_torch, "cute-graph": time_cute_graph, "triton-torch": time_triton_torch}

@@ -12,7 +12,8 @@ includes the time a consumer spends polling for its peers and a publish kernel w
 peer's re-arm. The peer calls enter XLA's command buffers (CUDA graphs) through their record
 stage like the other cute targets, so a chain pays kernel time, not per-call host dispatch.
 A failed combination becomes an "error" record and the run goes on; the JSON is rewritten
-after every record.
+after every record. `--protocol-build m0` (or m3) runs mode="peer" on a grouped build instead of
+the folded one (cute.manifest.PROTOCOL_BUILD), for an A/B comparison; records name the build.
 
 `run(n_ranks, tokens, reps, json_path)` is what `python -m oproj_jax.bench --tp N` calls.
 """
@@ -33,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from oproj_jax import configs
 from oproj_jax.bench import timing
-from oproj_jax.cute import peer
+from oproj_jax.cute import manifest, peer
 from oproj_jax.sharded import tp_consumer
 
 # most important first: a stage cut short by its time limit still has the comparison of record
@@ -119,6 +120,7 @@ def time_combo(mesh, mode: str, backend: str, config: configs.Config, reps: int,
         NB=config.NB,
         groups=config.groups,
         has_delta=config.has_delta,
+        protocol_build=manifest.build_for(config.T, False).tag if mode == "peer" else None,
         us=us,
         us_kernels=us_kernels,
         noise_us=noise,
@@ -212,7 +214,14 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", default=None, help="only these modes, comma-separated")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiler's kernel times")
     parser.add_argument("--json", metavar="PATH", help="write the records as JSON")
+    parser.add_argument(
+        "--protocol-build",
+        choices=[b.tag for b in (manifest.FOLDED, manifest.GROUPED, manifest.GROUPED_BOUNDED)],
+        default=manifest.PROTOCOL_BUILD.tag,
+        help="the cubin build mode='peer' launches (cute.manifest.PROTOCOL_BUILD; default %(default)s)",
+    )
     args = parser.parse_args(argv)
+    manifest.PROTOCOL_BUILD = manifest.parse_build(args.protocol_build)  # read when the calls are traced
     try:
         tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
     except ValueError:

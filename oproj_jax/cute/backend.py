@@ -1,4 +1,5 @@
-"""backend="cute": the CuTe-DSL kernel (prebuilt sm_90a cubins) launched from XLA through FFI.
+"""backend="cute": the CuTe-DSL kernel (prebuilt sm_90a cubins, or compiled on first use where the
+DSL is installed: cute/cache.py) launched from XLA through FFI.
 
 Three layers of entry point:
 
@@ -7,7 +8,7 @@ Three layers of entry point:
   re-arming, no sanitizing pass, the mailbox not aliased) and returns `ConsumerResult`.
 * `consume(...)`: also returns the re-armed mailbox, the `hints` counter and the `status`
   word, takes `published=True` for producers that already publish sanitized data, and a
-  bounded `spin_limit`; `check_status(result.status)` raises if polling gave up.
+  bounded `timeout_us`; `check_status(result.status)` raises if polling gave up.
 * `consume_twoshot(recv, gather, ..., me=...)`: the twoshot kernel ABI.
 
 Lamport mailbox and XLA. The kernel polls each 32-bit mailbox word until it is not the
@@ -20,7 +21,7 @@ copy. With `published=True` (sanitized data, or slots still being written by a p
 another stream) nothing runs before the kernel, and a donated mailbox is polled in place.
 
 `status` and `hints` are [1]-element buffers passed in and returned; the kernel only sets
-status (nonzero: a slot stayed empty for `spin_limit` polling rounds) and adds to hints, so
+status (nonzero: a slot stayed empty for `timeout_us` microseconds) and adds to hints, so
 carry them through a loop and check status once at the end, or pass None for fresh zeros.
 The host cannot see status before the call's stream has run: read it when you sync.
 """
@@ -34,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oproj_jax.cute import ffi
+from oproj_jax.cute import cache, ffi
 from oproj_jax.api import ConsumerResult, Dims, check_arguments
 from oproj_jax.cute import manifest as cute_manifest
 from oproj_jax.options import DEFAULTS
@@ -43,9 +44,10 @@ from oproj_jax.reference import without_negative_zero
 HIDDEN = 7168  # 7 CTAs x 128 threads x 8 elements: the only hidden size the cubins are built for
 MAX_TOKENS = 65535  # grid.y
 BUILD_COMMAND = "python -m oproj_jax.build"
-# Bounded by default in `consume`: a slot that is never published becomes a status code, not a
-# hung GPU. ~1.7e7 rounds of one 16-byte poll each: seconds, far above any real producer skew.
-DEFAULT_SPIN_LIMIT = 1 << 24
+# Every wait on another stream or GPU is bounded in wall time (the kernel's %globaltimer): a slot
+# that is never published becomes a status code, not a hung GPU. One second is far above any
+# real producer skew and above a first call's allocations on other devices.
+DEFAULT_TIMEOUT_US = 1_000_000
 _STATUS = {1: "a mailbox / gather-row slot", 2: "a twoshot receive slot"}  # codes the kernel stores
 ONESHOT_PARAMS = 14  # kernel parameters per cute/ABI.md
 TWOSHOT_PARAMS = 17
@@ -74,7 +76,8 @@ class CuteTwoshotResult(NamedTuple):
 
 
 def kernel_key(R: int, NB: int, *, has_delta: bool, groups: int, xmoe_replicas: int, twoshot: bool) -> dict:
-    """The manifest key of one cubin variant (cute/ABI.md)."""
+    """The manifest key of one cubin variant (cute/ABI.md), `groups` replaced by the effective
+    count (manifest.effective_groups): options with the same summation order share a cubin."""
     return cute_manifest.make_key(R, NB, bool(has_delta), groups, xmoe_replicas, bool(twoshot))
 
 
@@ -111,37 +114,92 @@ class _Kernel(NamedTuple):
     entry: str
     smem: int
     block: int
+    # [slots (R), NB, xmoe replicas] it is built for: the FFI handler checks the operands against it
+    variant: tuple[int, int, int] | None = None
 
 
-def _kernel(key: dict, T: int, ready: bool) -> _Kernel:
-    """The cubin for `key`, T tokens and the mode (manifest.build_for), or a ValueError naming
-    the key and the command that builds it. The manifest must match the installed kernel
-    sources and the cubin its recorded sha256 (manifest.py, "Integrity"; hashed once per process)."""
+def _prebuilt(key: dict, build: cute_manifest.Build) -> tuple[tuple[dict, dict] | None, str]:
+    """((the manifest, its entry for `key` compiled as `build`), "") or (None, why no prebuilt
+    cubin serves it: no manifest, a stale one, or the variant not in it)."""
     parsed, where = _manifest()
     if parsed is None:
-        raise ValueError(f"no CuTe cubins/manifest found ({where})")
+        return None, f"no CuTe cubins/manifest found ({where})"
     manifest, entries = parsed
     stale = cute_manifest.stale_reason(manifest)
     if stale:
-        raise ValueError(stale)
-    build = cute_manifest.build_for(T, ready)
+        return None, stale
     entry = cute_manifest.find(manifest, key, build, entries)
     if entry is None:
+        return None, f"no prebuilt CuTe cubin for key {cute_manifest.describe(key)} built as {build.tag} in {where}"
+    return (manifest, entry), ""
+
+
+def _from_cache(key: dict, build: cute_manifest.Build, T: int, ready: bool, why: str) -> str | None:
+    """None if the cache serves `key` as `build` (compiled there, or compiled on first use),
+    else why not: `why` no prebuilt cubin serves it, and why none can be compiled."""
+    cannot = cache.disabled_reason()
+    if cannot:
         mode = "ready" if ready else "protocol"
-        raise ValueError(
-            f"no CuTe cubin for key {cute_manifest.describe(key)} built as {build.tag} ({mode} mode, "
-            f"T={T}) in {where}; build it with `{_key_build_command(key, build)}`"
-        )
+        return f"{why} ({mode} mode, T={T}); build it with `{_key_build_command(key, build)}`; {cannot}"
+    if cache.cached(key, build):
+        return None
+    rejected = cache.kernel_rejects(key, build)
+    return f"{cute_manifest.describe(key)}: {rejected}" if rejected else None
+
+
+def _kernel(key: dict, T: int, ready: bool) -> _Kernel:
+    """The cubin for `key`, T tokens and the mode (manifest.build_for): the prebuilt one, else
+    one compiled on first use (cute/cache.py: the CuTe DSL installed; cached on disk for later
+    calls and processes), else a ValueError naming the key and the command that builds it. A
+    prebuilt manifest must match the installed kernel sources (else it is passed over), and a
+    cubin its recorded sha256 (manifest.py, "Integrity"; hashed once per process)."""
+    build = cute_manifest.build_for(T, ready)
+    found, why = _prebuilt(key, build)
+    rebuild = _key_build_command(key, build)
+    if found is not None:
+        manifest, entry = found
+        _check_abi(manifest, entry, key, rebuild)
+        path = cute_manifest.verified_cubin_path(manifest, entry, rebuild)  # sha256, once
+    else:
+        cannot = _from_cache(key, build, T, ready, why)
+        if cannot:
+            raise ValueError(cannot)
+        manifest, entry, path = cache.kernel(key, build, why, rebuild)
+        _check_abi(manifest, entry, key, rebuild)
+    return _Kernel(
+        str(path),
+        entry["entry"],
+        int(entry["dynamic_smem_bytes"]),
+        int(entry["block"][0]),
+        (key["R"], key["NB"], key["xmoe_replicas"]),
+    )
+
+
+def _check_abi(manifest: dict, entry: dict, key: dict, rebuild: str) -> None:
     want = TWOSHOT_PARAMS if key["twoshot"] else ONESHOT_PARAMS
     params, cluster = entry.get("params", ()), list(entry.get("cluster", ()))
     if len(params) != want or cluster != [7, 1, 1] or int(manifest["H"]) != HIDDEN:
         raise ValueError(
             f"cubin {entry['cubin']} ({cute_manifest.describe(key)}) does not follow cute/ABI.md: "
             f"expected {want} params, cluster [7, 1, 1], H {HIDDEN}; got {len(params)} params, "
-            f"cluster {cluster}, H {manifest['H']}; rebuild it with `{_key_build_command(key, build)}`"
+            f"cluster {cluster}, H {manifest['H']}; rebuild it with `{rebuild}`"
         )
-    path = cute_manifest.verified_cubin_path(manifest, entry, _key_build_command(key, build))  # sha256, once
-    return _Kernel(str(path), entry["entry"], int(entry["dynamic_smem_bytes"]), int(entry["block"][0]))
+
+
+def _kernel_reason(key: dict, T: int, ready: bool) -> str | None:
+    """None if _kernel(key, T, ready) serves the call (prebuilt and intact, or compiled on first
+    use), else why not; compiles nothing."""
+    build = cute_manifest.build_for(T, ready)
+    found, why = _prebuilt(key, build)
+    if found is None:
+        cannot = _from_cache(key, build, T, ready, why)
+        if cannot or not cache.cached(key, build):
+            return cannot
+    try:  # a prebuilt or cached cubin: hashed (once per process), as the call would
+        _kernel(key, T, ready)
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 # ---- registry interface --------------------------------------------------------------------
@@ -166,8 +224,13 @@ def unavailable_reason(platform: str) -> str | None:
         return reason
     parsed, where = _manifest()
     if parsed is None:
-        return f"no CuTe cubins/manifest found ({where}); `{BUILD_COMMAND}` builds cubins and library (no GPU needed)"
-    return cute_manifest.stale_reason(parsed[0])  # built from other kernel sources: names the rebuild
+        reason = f"no CuTe cubins/manifest found ({where}); `{BUILD_COMMAND}` builds cubins and library (no GPU needed)"
+    else:
+        reason = cute_manifest.stale_reason(parsed[0])  # built from other kernel sources: names the rebuild
+    if reason is None:
+        return None
+    cannot = cache.disabled_reason()  # without it every variant is compiled on first use
+    return f"{reason}; {cannot}" if cannot else None
 
 
 def unsupported_reason(
@@ -187,14 +250,10 @@ def unsupported_reason(
     if dims.T > MAX_TOKENS:
         return f"T = {dims.T} tokens exceeds the launch grid's y limit {MAX_TOKENS}"
     key = kernel_key(dims.R, dims.NB, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas, twoshot=twoshot)
-    try:
-        _kernel(key, dims.T, ready)
-    except ValueError as err:
-        return str(err)
-    return None
+    return _kernel_reason(key, dims.T, ready)
 
 
-READY_SPIN_LIMIT = -1  # the kernel's ready mode: slots complete at launch, no poll, no re-arm
+READY_TIMEOUT_US = -1  # the kernel's ready mode: slots complete at launch, no poll, no re-arm
 # Up to this many tokens the ready call enters XLA's command buffers through its record stage
 # (a graph node with PDL edges); above, through stream capture (ffi.READY_TRACED_TARGET): the
 # grid is then several waves and memory-bound, where XLA's cache configuration of its own
@@ -242,7 +301,7 @@ def consumer(
     target = ffi.READY_TARGET if T <= RECORD_MAX_T else ffi.READY_TRACED_TARGET
     call = jax.ffi.ffi_call(target, out_types, input_output_aliases={1: 0}, vmap_method="sequential")
     new_prefix, output, xmoe, _ = call(
-        mailbox, prefix, blocks, norm, query, out_norm, **_attributes(kernel, eps, out_eps, READY_SPIN_LIMIT, True)
+        mailbox, prefix, blocks, norm, query, out_norm, **_attributes(kernel, eps, out_eps, READY_TIMEOUT_US, True)
     )
     return ConsumerResult(new_prefix, output, xmoe if xmoe_replicas else None)
 
@@ -268,15 +327,19 @@ def _flags(hints, status):
     return hints, status
 
 
-def _check_spin_limit(spin_limit: Any) -> int:
-    if isinstance(spin_limit, bool) or not isinstance(spin_limit, (int, np.integer)):
-        raise TypeError(f"spin_limit: expected an int (polling rounds, 0 = forever), got {type(spin_limit).__name__}")
-    if not 0 <= spin_limit < 2**31:
-        raise ValueError(f"spin_limit: expected 0 <= spin_limit < 2**31, got {spin_limit}")
-    return int(spin_limit)
+def check_timeout_us(timeout_us: Any) -> int:
+    """The wait bound in microseconds: an int in [1, 2**31). There is no "wait forever": a wait
+    on another stream or GPU always ends, in an error if nothing came."""
+    if isinstance(timeout_us, (bool, np.bool_)) or not isinstance(timeout_us, (int, np.integer)):
+        raise TypeError(f"timeout_us: expected an int (microseconds of wall time), got {type(timeout_us).__name__}")
+    if not 1 <= timeout_us < 2**31:
+        raise ValueError(
+            f"timeout_us: expected 1 <= timeout_us < 2**31 microseconds (every wait is bounded), got {timeout_us}"
+        )
+    return int(timeout_us)
 
 
-def _attributes(kernel: _Kernel, eps, out_eps, spin_limit, pdl) -> dict:
+def _attributes(kernel: _Kernel, eps, out_eps, timeout_us, pdl) -> dict:
     return dict(
         cubin=kernel.cubin,
         entry=kernel.entry,
@@ -284,8 +347,9 @@ def _attributes(kernel: _Kernel, eps, out_eps, spin_limit, pdl) -> dict:
         block=np.int64(kernel.block),
         eps=np.float32(eps),
         out_eps=np.float32(out_eps),
-        spin_limit=np.int32(spin_limit),
+        timeout_us=np.int32(timeout_us),
         pdl=bool(pdl),
+        variant=np.asarray(kernel.variant, np.int64),
     )
 
 
@@ -320,7 +384,7 @@ def consume(
     groups: int = DEFAULTS.groups,
     xmoe_replicas: int = DEFAULTS.xmoe_replicas,
     published: bool = False,
-    spin_limit: int = DEFAULT_SPIN_LIMIT,
+    timeout_us: int = DEFAULT_TIMEOUT_US,
     hints=None,  # [1] u32 or None (zeros)
     status=None,  # [1] i32 or None (zeros)
     pdl: bool = True,
@@ -343,7 +407,7 @@ def consume(
         groups=groups,
         xmoe_replicas=xmoe_replicas,
     )
-    spin_limit = _check_spin_limit(spin_limit)
+    timeout_us = check_timeout_us(timeout_us)
     _check_concrete_platform(mailbox, prefix, blocks)
     reason = unsupported_reason(
         dims, has_delta=bool(has_delta), groups=groups, xmoe_replicas=xmoe_replicas, ready=False
@@ -371,7 +435,7 @@ def consume(
         out_norm,
         hints,
         status,
-        **_attributes(kernel, eps, out_eps, spin_limit, pdl),
+        **_attributes(kernel, eps, out_eps, timeout_us, pdl),
     )
     new_mailbox, new_prefix, output, xmoe, hints, status = out
     return CuteResult(new_prefix, output, xmoe if xmoe_replicas else None, new_mailbox, hints, status)
@@ -393,7 +457,7 @@ def consume_twoshot(
     groups: int = 1,  # the gather row is one slot: nothing to order
     xmoe_replicas: int = DEFAULTS.xmoe_replicas,
     published: bool = False,
-    spin_limit: int = DEFAULT_SPIN_LIMIT,
+    timeout_us: int = DEFAULT_TIMEOUT_US,
     hints=None,
     status=None,
     pdl: bool = True,
@@ -427,7 +491,7 @@ def consume_twoshot(
         )
     if isinstance(me, bool) or not isinstance(me, (int, np.integer)) or not 0 <= me < R:
         raise ValueError(f"me: expected a static int with 0 <= me < R = {R}, got {me!r}")
-    spin_limit = _check_spin_limit(spin_limit)
+    timeout_us = check_timeout_us(timeout_us)
     _check_concrete_platform(recv, gather, prefix)
     key = kernel_key(R, dims.NB, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas, twoshot=True)
     reason = unsupported_reason(
@@ -459,7 +523,7 @@ def consume_twoshot(
         hints,
         status,
         recv,
-        **_attributes(kernel, eps, out_eps, spin_limit, pdl),
+        **_attributes(kernel, eps, out_eps, timeout_us, pdl),
         me=np.int32(me),
     )
     new_gather, new_prefix, output, xmoe, hints, status, new_recv = out
@@ -476,5 +540,7 @@ def check_status(status) -> None:
         what = _STATUS.get(code, "unknown code")
         raise RuntimeError(
             f"CuTe consumer: polling gave up (status {code}: {what}): a slot was not published "
-            "within spin_limit polling rounds; the outputs of that call are not valid"
+            "within timeout_us microseconds; the outputs of that call are not valid (with "
+            "published=True the kernel polls the mailbox in place: a jitted caller must donate "
+            "it, or XLA hands the kernel a copy that no producer writes)"
         )

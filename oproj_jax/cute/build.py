@@ -12,12 +12,14 @@ directory `oproj_jax/cute/cubins/` (git-ignored, declared package data, so an in
 or a carried checkout has them), or build into any directory, copy it over, and point
 $OPROJ_JAX_CUBIN_DIR at it. oproj_jax.cute.manifest resolves the directory the same way.
 
-The default set: every key the GPU checks and benchmarks use (oproj_jax.configs.GPU_CHECKS,
-BENCH) plus the production family R=16 x NB 0..8 x has_delta both x groups 1..4 x xmoe 0/1
-(oneshot), each compiled as every build of manifest.BUILDS (the thread layout and the launch
-bound; the backend picks by mode and T). About 470 cubins, 1-3 s each;
-`--jobs` compiles in parallel processes. Every build also compiles the publish kernel of
-mode="peer" (cute/publish.py), recorded as the manifest's "publish" entry.
+The default set (default_set(); the argument for it: docs/cubins.md): the production family
+R in {1, 2, 4, 8, 16} x NB 0..8 x has_delta both x groups 1..4 (as effective counts) x xmoe
+0..3, oneshot, as the folded build, the one every path launches (manifest.build_for); and the
+keys the GPU tests and benchmarks use (comparison_keys(), with their twoshot kernels) as every
+build of manifest.BUILDS, so that they can compare the builds. 1067 cubins, about 0.5 s each;
+`--jobs` compiles in parallel processes. A variant outside it compiles on first use where the
+DSL is installed (cute/cache.py). Every build also compiles the publish kernel of mode="peer"
+(cute/publish.py), recorded as the manifest's "publish" entry.
 R stays static: the polling loop is unrolled over the slots a group owns, and a runtime R
 would cost registers and a dynamic loop on the critical path for no gain at the few R used.
 
@@ -31,6 +33,7 @@ fingerprint and each cubin's sha256; the backend refuses cubins that no longer m
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -48,7 +51,54 @@ ABI_ONESHOT = [".u64"] * 10 + [".f32", ".f32", ".u32", ".u32"]  # cute/ABI.md pa
 ABI_TWOSHOT = ABI_ONESHOT + [".u64", ".u64", ".u32"]  # params 14..16
 
 
-def default_keys() -> list[dict]:
+# The production family, prebuilt as the folded build (the one build every path launches,
+# manifest.build_for). A deployment fixes R (its TP degree), groups (the summation order its
+# prefix bits follow) and xmoe_replicas (its MoE layout), and then meets every NB (0..8
+# completed blocks, by the layer's depth in its block) and both has_delta (a block's first
+# layer or not) once per decode step; so the family is every (NB, has_delta) for every R,
+# groups and xmoe_replicas a deployment may pick. groups 1..4 collapse to the effective
+# counts (manifest.effective_groups): 14 (R, groups) pairs, 1008 keys.
+FAMILY_R = (1, 2, 4, 8, 16)
+FAMILY_GROUPS = (1, 2, 3, 4)
+FAMILY_XMOE = (0, 1, 2, 3)
+
+
+def _ident(key: dict, build: M.Build | None = None) -> tuple:
+    return tuple(key[f] for f in M.KEY_FIELDS), build
+
+
+def _unique(keys: list) -> list:
+    """`keys` (dicts, or (dict, Build) pairs) without repeats, in order."""
+    seen, out = set(), []
+    for item in keys:
+        ident = _ident(*item) if isinstance(item, tuple) else _ident(item)
+        if ident not in seen:
+            seen.add(ident)
+            out.append(item)
+    return out
+
+
+def production_keys() -> list[dict]:
+    """The production family (FAMILY_*: every NB and has_delta), oneshot. The registry's twoshot
+    layout consumes the gathered row as a one-slot mailbox: its keys are the family's R=1."""
+    return _unique(
+        [
+            M.make_key(R, nb, has_delta, groups, reps, False)
+            for R in FAMILY_R
+            for groups in FAMILY_GROUPS
+            for reps in FAMILY_XMOE
+            for nb in range(9)
+            for has_delta in (True, False)
+        ]
+    )
+
+
+def comparison_keys() -> list[dict]:
+    """The keys the GPU tests and benchmarks run, built as every build of manifest.BUILDS so that
+    they can compare the builds (manifest.PROTOCOL_BUILD, --protocol-build): configs.GPU_CHECKS
+    and BENCH with their twoshot kernels (consume_twoshot; a twoshot key outside these compiles
+    on first use), and mode="peer" on 2 GPUs (tests/test_peer_gpu.py: NB=0 without delta, every
+    groups, xmoe 0/1; bench/tp.py: NB=8, has_delta, groups=4)."""
     from oproj_jax import configs
 
     keys = []
@@ -56,22 +106,20 @@ def default_keys() -> list[dict]:
         keys.append(M.make_key(c.R, c.NB, c.has_delta, c.groups, c.xmoe_replicas, c.twoshot))
         if c.twoshot:  # the registry consumes a twoshot config's gathered row: a one-slot mailbox
             keys.append(M.make_key(1, c.NB, c.has_delta, c.groups, c.xmoe_replicas, False))
-    for nb in range(9):
-        for has_delta in (True, False):
-            for groups in (1, 2, 3, 4):
-                for reps in (0, 1):
-                    keys.append(M.make_key(configs.TP, nb, has_delta, groups, reps, False))
-    # mode="peer" (oproj_jax/cute/peer.py) on a 2-GPU group: its GPU tests (NB=0, no delta,
-    # groups 1..4, xmoe 0/1) and the TP benchmark's shape (NB=8, has_delta, groups=4)
-    for groups in (1, 2, 3, 4):
-        for reps in (0, 1):
-            keys.append(M.make_key(2, 0, False, groups, reps, False))
+    keys += [M.make_key(2, 0, False, groups, reps, False) for groups in FAMILY_GROUPS for reps in (0, 1)]
     keys.append(M.make_key(2, 8, True, 4, 0, False))
-    unique = []
-    for k in keys:
-        if k not in unique:
-            unique.append(k)
-    return unique
+    return _unique(keys)
+
+
+def default_set() -> list[tuple[dict, M.Build]]:
+    """What `python -m oproj_jax.build` prebuilds: (key, build) pairs, the production family
+    folded and the comparison keys as every build."""
+    return _unique([(k, M.FOLDED) for k in production_keys()] + [(k, b) for k in comparison_keys() for b in M.BUILDS])
+
+
+def default_keys() -> list[dict]:
+    """The keys of the default set (each with at least one build)."""
+    return _unique([k for k, _ in default_set()])
 
 
 def cubin_name(key: dict, build: M.Build = M.GROUPED) -> str:
@@ -185,7 +233,10 @@ def _compile_to(args) -> dict:
     return result
 
 
-def _dsl_version() -> str:
+@functools.cache
+def dsl_version() -> str:
+    """The installed nvidia-cutlass-dsl's version ("unknown" without it): part of every source
+    fingerprint."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -194,20 +245,24 @@ def _dsl_version() -> str:
         return "unknown"
 
 
-def build_cubins(out_dir=None, keys=None, jobs: int | None = None, log=None, builds=M.BUILDS) -> dict:
-    """Build `keys` (default: default_keys()), each compiled as every one of `builds`, into
-    `out_dir` (default: manifest.default_dir()); writes the cubins and manifest.json; returns
-    the manifest."""
+def build_cubins(out_dir=None, keys=None, jobs: int | None = None, log=None, builds=None) -> dict:
+    """Build into `out_dir` (default: manifest.default_dir()) `keys`, each compiled as every one
+    of `builds` (default: manifest.BUILDS), or without `keys` the default set (default_set(),
+    only its pairs of `builds` if given); writes the cubins and manifest.json; returns the
+    manifest."""
     from oproj_jax.configs import HIDDEN
 
     out = Path(out_dir) if out_dir is not None else M.default_dir()
     out.mkdir(parents=True, exist_ok=True)
-    keys = [M.normalize_key(k) for k in (keys if keys is not None else default_keys())]
-    jobs = jobs or min(len(keys), max(1, (os.cpu_count() or 1)))
+    builds = None if builds is None else [M.Build(*b) for b in builds]
+    if keys is None:
+        pairs = [(k, b) for k, b in default_set() if builds is None or b in builds]
+    else:
+        pairs = [(M.normalize_key(k), b) for k in keys for b in (builds or M.BUILDS)]
+    work = [(k, b, str(out)) for k, b in _unique(pairs)]  # keys equal once groups are effective
+    jobs = jobs or min(len(work), max(1, (os.cpu_count() or 1)))
     t0 = time.time()
-    builds = [M.Build(*b) for b in builds]
-    work = [(k, b, str(out)) for k in keys for b in builds]
-    if jobs > 1 and len(keys) > 1:
+    if jobs > 1 and len(work) > 1:
         # each worker imports the DSL once and compiles its share
         # forkserver: the caller may have JAX's threads running (forking those can deadlock)
         with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("forkserver")) as pool:
@@ -222,19 +277,25 @@ def build_cubins(out_dir=None, keys=None, jobs: int | None = None, log=None, bui
         if (
             old.get("arch") == ARCH
             and old.get("H") == HIDDEN
-            and old.get("fingerprint") == M.source_fingerprint(_dsl_version())
+            and old.get("fingerprint") == M.source_fingerprint(dsl_version())
         ):
-            rebuilt = [(w[0], w[1]) for w in work]
+            rebuilt = {_ident(k, b) for k, b, _ in work}
             kept = [
                 e
                 for e in old.get("kernels", [])
-                if (e["key"], M.entry_build(e)) not in rebuilt and (out / e["cubin"]).is_file()
+                if _ident(M.normalize_key(e["key"]), M.entry_build(e)) not in rebuilt and (out / e["cubin"]).is_file()
             ]
     publish = compile_publish()  # ~2 s: always rebuilt, so it follows publish.py
     (out / publish["cubin"]).write_bytes(publish.pop("cubin_bytes"))
-    manifest = {"arch": ARCH, "cutlass_dsl": _dsl_version(), "H": HIDDEN, "kernels": kept + built, "publish": publish}
+    manifest = {"arch": ARCH, "cutlass_dsl": dsl_version(), "H": HIDDEN, "kernels": kept + built, "publish": publish}
     M.seal(manifest, out)  # the source fingerprint and every cubin's sha256 (manifest.py, "Integrity")
     (out / M.MANIFEST).write_text(json.dumps(manifest, indent=1))
+    # the cubins of dropped entries (other sources, keys no longer normalized that way) would
+    # otherwise ship as package data next to the manifest that no longer lists them
+    listed = {e["cubin"] for e in manifest["kernels"]}
+    for orphan in out.glob("oproj_R*.cubin"):
+        if orphan.name not in listed:
+            orphan.unlink()
     if log:
         log(
             f"built {len(built)} variants into {out} in {time.time() - t0:.1f} s "
@@ -279,10 +340,12 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--builds",
         type=_parse_builds,
-        default=M.BUILDS,
+        default=None,
         help="how to compile each key, comma-separated: m<N> the grouped layout "
         "(128 * groups threads), f<N> the folded one (128 threads), N the "
-        "launch bound in CTAs per SM, 0 = none (default: " + ",".join(b.tag for b in M.BUILDS) + ", manifest.BUILDS)",
+        "launch bound in CTAs per SM, 0 = none (default: with --key every build of manifest.BUILDS, "
+        + ",".join(b.tag for b in M.BUILDS)
+        + "; without, the default set's builds of each key)",
     )
     args = parser.parse_args(argv)
     build_cubins(args.out, args.key, jobs=args.jobs, log=lambda s: print(s, file=sys.stderr), builds=args.builds)

@@ -45,14 +45,20 @@ class DriverLaunch:
         )
         self._keep = ()  # the last launch's parameter values
 
+    def close(self) -> None:
+        """Unloads the module (after the launches using it have finished)."""
+        if self.module is not None:
+            check(self.cu.cuModuleUnload(self.module), "cuModuleUnload")
+            self.module = self.fn = None
+
     def __call__(
-        self, stream: int, T: int, pointers, eps: float, out_eps: float, spin_limit: int, twoshot=None
+        self, stream: int, T: int, pointers, eps: float, out_eps: float, timeout_us: int, twoshot=None
     ) -> None:
         """Launch on `stream` (a CUstream handle as an int). `pointers`: the 10 device
         addresses of cute/ABI.md; `twoshot`: (recv, gather, me) or None."""
         cu = self.cu
         values = [ctypes.c_uint64(p) for p in pointers]
-        values += [ctypes.c_float(eps), ctypes.c_float(out_eps), ctypes.c_int32(T), ctypes.c_int32(spin_limit)]
+        values += [ctypes.c_float(eps), ctypes.c_float(out_eps), ctypes.c_int32(T), ctypes.c_int32(timeout_us)]
         if twoshot is not None:
             recv, gather, me = twoshot
             values += [ctypes.c_uint64(recv), ctypes.c_uint64(gather), ctypes.c_int32(me)]
@@ -81,8 +87,8 @@ def torch_launcher(kernel):
     torch.zeros(1, device="cuda")  # make torch's primary context current
     launch = DriverLaunch(kernel)
 
-    def on_current_stream(T, pointers, eps, out_eps, spin_limit, twoshot=None):
-        launch(torch.cuda.current_stream().cuda_stream, T, pointers, eps, out_eps, spin_limit, twoshot)
+    def on_current_stream(T, pointers, eps, out_eps, timeout_us, twoshot=None):
+        launch(torch.cuda.current_stream().cuda_stream, T, pointers, eps, out_eps, timeout_us, twoshot)
 
     on_current_stream.launch = launch
     return on_current_stream

@@ -35,8 +35,10 @@ previous kernel writes prefix, blocks and the mailbox with ordinary stores, and 
 visibility of those before the wait. The launch latency and setup still overlap the previous
 kernel; the later `wait` the original kernel has at exit is then a no-op and is left out.
 
-Bounded polling: with spin_limit > 0 a poll gives up after that many rounds, stores a code
-into `status` (1: mailbox, 2: twoshot receive slots) and continues with whatever it read.
+Bounded polling: with timeout_us > 0 a poll gives up once that many microseconds of
+%globaltimer (wall time, the same for every T) have passed since it first found an empty slot,
+stores a code into `status` (1: mailbox, 2: twoshot receive slots) and continues with whatever
+it read. timeout_us = 0 would wait forever: the Python entry points refuse it.
 
 FOLDED (fold=True): 128 threads per CTA whatever `groups` is. The one group loads every slot
 and adds the groups' partial sums in group order itself, each partial summed in rank order as
@@ -44,7 +46,7 @@ its polling group would: the same f32 operations in the same order, so the prefi
 the grouped build. It saves the smem hand-off and barrier between groups and, with a quarter
 of the threads, lets more clusters be resident (T=64 fits in one wave on the H200).
 
-Ready mode: spin_limit < 0 says every slot was complete before the launch (XLA produced the
+Ready mode: timeout_us < 0 says every slot was complete before the launch (XLA produced the
 mailbox; PDL's wait makes it visible): each fragment is loaded once, nothing is polled and
 nothing is re-armed, so the mailbox is only read and may hold real -0.0 values. The rank sum
 adds +0.0 last, which turns an all-(-0.0) sum into +0.0 exactly as summing published data
@@ -228,7 +230,7 @@ class OprojConsumer:
 
     @cute.jit
     def poll(self, raw, base: Int64, stride: Int64, n: cutlass.Constexpr[int],
-             loaded: cutlass.Constexpr[bool], spin_limit: Int32, status: Int64,
+             loaded: cutlass.Constexpr[bool], timeout_us: Int32, status: Int64,
              code: cutlass.Constexpr[int]):
         """Poll n slot fragments (base + k*stride) into raw[4k..4k+3] until none is empty."""
         if cutlass.const_expr(not loaded):
@@ -237,10 +239,13 @@ class OprojConsumer:
                 for j in cutlass.range_constexpr(4):
                     raw[4 * k + j] = first[j]
         pending = Int32(0)
-        if spin_limit >= 0:  # ready mode (< 0): XLA wrote the data before this kernel; no check
+        if timeout_us >= 0:  # ready mode (< 0): XLA wrote the data before this kernel; no check
             for k in cutlass.range_constexpr(n):
                 pending = pending | P.pending_bit([raw[4 * k + j] for j in range(4)], 1 << k)
-        rounds = Int32(0)
+        # the clock is read only once something is still empty: ready and complete slots pay nothing
+        start = Int64(0)
+        if pending != 0:
+            start = P.globaltimer()
         while pending != 0:
             for k in cutlass.range_constexpr(n):
                 fresh = P.ld_poll4_if(pending & (1 << k), base + k * stride,
@@ -250,15 +255,14 @@ class OprojConsumer:
             left = Int32(0)
             for k in cutlass.range_constexpr(n):
                 left = left | P.pending_bit([raw[4 * k + j] for j in range(4)], 1 << k)
-            rounds = rounds + 1
-            if (spin_limit > 0) & (rounds >= spin_limit):
+            if P.timed_out(start, timeout_us):
                 P.store_status(status, Int32(code))
                 left = Int32(0)
             pending = left
 
     @cute.jit
     def twoshot_reduce(self, raw, recv: Int64, gather: Int64, me: Int32, T: Int32, token: Int32,
-                       h: Int32, spin_limit: Int32, status: Int64):
+                       h: Int32, timeout_us: Int32, status: Int64):
         """Threads owning columns of slice `me`: sum every rank's partial (rank order), store
         the bf16 sum (-0 -> +0) into the gather row, re-arm the receive slots."""
         cols = self.H // self.R
@@ -269,7 +273,7 @@ class OprojConsumer:
             total = []
             for first in cutlass.range_constexpr(0, self.R, TWOSHOT_CHUNK):
                 n = min(TWOSHOT_CHUNK, self.R - first)
-                self.poll(raw, base + first * stride, stride, n, False, spin_limit, status,
+                self.poll(raw, base + first * stride, stride, n, False, timeout_us, status,
                           STATUS_RECV)
                 if cutlass.const_expr(first == 0):
                     total = self.sum_slots(raw, n)
@@ -278,7 +282,7 @@ class OprojConsumer:
             words = [P.without_negative_zero(P.pack(total[2 * j], total[2 * j + 1]))
                      for j in range(4)]
             P.st4(gather + (Int64(token) * self.H + h) * 2, words)
-            if spin_limit >= 0:  # ready mode leaves the caller's buffers alone
+            if timeout_us >= 0:  # ready mode leaves the caller's buffers alone
                 for r in cutlass.range_constexpr(self.R):
                     P.rearm(base + r * stride)
 
@@ -287,7 +291,7 @@ class OprojConsumer:
     @cute.jit
     def body(self, mailbox: Int64, prefix: Int64, blocks: Int64, norm: Int64, query: Int64,
              out_norm: Int64, output: Int64, xmoe: Int64, hints: Int64, status: Int64,
-             eps: Float32, out_eps: Float32, T: Int32, spin_limit: Int32, recv: Int64,
+             eps: Float32, out_eps: Float32, T: Int32, timeout_us: Int32, recv: Int64,
              gather: Int64, me: Int32):
         L, H, NB = self.layout, self.H, self.NB
         rank, token, _ = cute.arch.block_idx()
@@ -311,7 +315,7 @@ class OprojConsumer:
         raw = cute.make_rmem_tensor(cute.make_layout(4 * self.raw_slots), cutlass.Uint32)
 
         first_slots = self.slots if self.fold else min(self.S, self.slots)  # group 0's slots
-        ready_nc = Int32((spin_limit < 0) & (T >= READY_NC_MIN_T))  # see Ready mode
+        ready_nc = Int32((timeout_us < 0) & (T >= READY_NC_MIN_T))  # see Ready mode
         if group == 0:
             # -- prefetch this thread's 16-byte slices into smem --------------------------
             cta = Int64(rank * THREADS * VEC)  # the CTA's first element of a row
@@ -360,16 +364,20 @@ class OprojConsumer:
         mark("cluster_sync")
 
         if group == 0:
-            # group 1 landed; each thread reads back only its own chunks: no barrier
+            # group 1 landed for this thread's own copies only. A thread reads its chunk of row
+            # r where lane t ^ (r % 8) copied it (self.chunk), and lane t ^ 3 fetched the global
+            # prefix chunk this thread overwrites below: the warp barrier makes every lane's
+            # copies visible to the warp and orders all its prefix reads before any store.
             P.cp_async_wait_group(1)
+            P.sync_warp()
             mark("smem_rows")
             if cutlass.const_expr(NB > 0):  # w = norm * query, split for the tensor cores
                 row_stats.split_weight(self, smem, t)
 
             # -- rank sum: own slots, then the other groups' partial sums in group order ----
             if cutlass.const_expr(self.twoshot):
-                self.twoshot_reduce(raw, recv, gather, me, T, token, h, spin_limit, status)
-            self.poll(raw, frag, slot_stride, first_slots, not self.twoshot, spin_limit, status,
+                self.twoshot_reduce(raw, recv, gather, me, T, token, h, timeout_us, status)
+            self.poll(raw, frag, slot_stride, first_slots, not self.twoshot, timeout_us, status,
                       STATUS_MAILBOX)
             attn = self.sum_slots(raw, min(self.S, self.slots))
             if cutlass.const_expr(self.fold):  # each group's partial sum, added in group order
@@ -397,13 +405,14 @@ class OprojConsumer:
             p_words = [P.pack(p[2 * j], p[2 * j + 1]) for j in range(4)]
             P.st4(prefix + row * 2, p_words)
             mark("prefix_stored")
-            if spin_limit >= 0:
+            if timeout_us >= 0:
                 for k in cutlass.range_constexpr(first_slots):
                     P.rearm(frag + k * slot_stride)
 
             if cutlass.const_expr(NB > 0):
                 # -- every row statistic, one cluster exchange (row_stats) -------------------
-                P.cp_async_wait_all()  # the blocks
+                P.cp_async_wait_all()  # the blocks; read across lanes (ldmatrix, the swizzle):
+                P.sync_warp()  # the warp's copies visible to every lane of it (as above)
                 weight = row_stats.read_weight(self, smem, t)
                 row_stats.warp_stats(self, smem, p, p_words, weight, t, warp, lane)
                 P.bar_sync(1, THREADS)
@@ -470,14 +479,14 @@ class OprojConsumer:
                 if group == g:
                     n = min(self.S, self.slots - g * self.S)
                     base = frag + (g * self.S) * slot_stride
-                    self.poll(raw, base, slot_stride, n, True, spin_limit, status,
+                    self.poll(raw, base, slot_stride, n, True, timeout_us, status,
                               STATUS_MAILBOX)
                     values = self.sum_slots(raw, n)
                     for half in cutlass.range_constexpr(2):
                         P.sts4_f32(smem + L.parts + (((g - 1) * 2 + half) * THREADS + t) * 16,
                                    values[4 * half: 4 * half + 4])
                     P.bar_arrive(2, THREADS * self.poll_groups)
-                    if spin_limit >= 0:
+                    if timeout_us >= 0:
                         for k in cutlass.range_constexpr(n):
                             P.rearm(base + k * slot_stride)
 
@@ -486,20 +495,20 @@ class OprojConsumer:
                        norm: cute.Pointer, query: cute.Pointer, out_norm: cute.Pointer,
                        output: cute.Pointer, xmoe: cute.Pointer, hints: cute.Pointer,
                        status: cute.Pointer, eps: Float32, out_eps: Float32, T: Int32,
-                       spin_limit: Int32):
+                       timeout_us: Int32):
         self.body(mailbox.toint(), prefix.toint(), blocks.toint(), norm.toint(), query.toint(),
                   out_norm.toint(), output.toint(), xmoe.toint(), hints.toint(), status.toint(),
-                  eps, out_eps, T, spin_limit, Int64(0), Int64(0), Int32(0))
+                  eps, out_eps, T, timeout_us, Int64(0), Int64(0), Int32(0))
 
     @cute.kernel
     def kernel_twoshot(self, mailbox: cute.Pointer, prefix: cute.Pointer, blocks: cute.Pointer,
                        norm: cute.Pointer, query: cute.Pointer, out_norm: cute.Pointer,
                        output: cute.Pointer, xmoe: cute.Pointer, hints: cute.Pointer,
                        status: cute.Pointer, eps: Float32, out_eps: Float32, T: Int32,
-                       spin_limit: Int32, recv: cute.Pointer, gather: cute.Pointer, me: Int32):
+                       timeout_us: Int32, recv: cute.Pointer, gather: cute.Pointer, me: Int32):
         self.body(mailbox.toint(), prefix.toint(), blocks.toint(), norm.toint(), query.toint(),
                   out_norm.toint(), output.toint(), xmoe.toint(), hints.toint(), status.toint(),
-                  eps, out_eps, T, spin_limit, recv.toint(), gather.toint(), me)
+                  eps, out_eps, T, timeout_us, recv.toint(), gather.toint(), me)
 
     def _launch_config(self, T, stream):
         return dict(grid=[CTAS, T, 1], block=[self.threads, 1, 1], cluster=[CTAS, 1, 1],
@@ -513,9 +522,9 @@ class OprojConsumer:
                        norm: cute.Pointer, query: cute.Pointer, out_norm: cute.Pointer,
                        output: cute.Pointer, xmoe: cute.Pointer, hints: cute.Pointer,
                        status: cute.Pointer, eps: Float32, out_eps: Float32, T: Int32,
-                       spin_limit: Int32, stream):
+                       timeout_us: Int32, stream):
         self.kernel_oneshot(mailbox, prefix, blocks, norm, query, out_norm, output, xmoe, hints,
-                            status, eps, out_eps, T, spin_limit).launch(
+                            status, eps, out_eps, T, timeout_us).launch(
             **self._launch_config(T, stream))
 
     @cute.jit
@@ -523,8 +532,8 @@ class OprojConsumer:
                        norm: cute.Pointer, query: cute.Pointer, out_norm: cute.Pointer,
                        output: cute.Pointer, xmoe: cute.Pointer, hints: cute.Pointer,
                        status: cute.Pointer, eps: Float32, out_eps: Float32, T: Int32,
-                       spin_limit: Int32, recv: cute.Pointer, gather: cute.Pointer, me: Int32,
+                       timeout_us: Int32, recv: cute.Pointer, gather: cute.Pointer, me: Int32,
                        stream):
         self.kernel_twoshot(mailbox, prefix, blocks, norm, query, out_norm, output, xmoe, hints,
-                            status, eps, out_eps, T, spin_limit, recv, gather, me).launch(
+                            status, eps, out_eps, T, timeout_us, recv, gather, me).launch(
             **self._launch_config(T, stream))

@@ -13,6 +13,9 @@ Directory: $OPROJ_JAX_CUBIN_DIR if set, else the package's `oproj_jax/cute/cubin
    "fingerprint": "<sha256 hex>"}    (source_fingerprint: the sources the cubins were built from)
 and every kernel entry (and "publish") carries "sha256", the hex digest of its cubin file.
 
+Keys: make_key / normalize_key check the fields and replace `groups` by effective_groups (the
+groups that own a slot), so every option with the same summation order finds the same cubin.
+
 Integrity (seal() writes it, the checks below read it):
 * `stale_reason(manifest)`: the manifest's fingerprint must equal source_fingerprint() of the
   installed kernel sources (FINGERPRINT_SOURCES) with the manifest's DSL version; otherwise the
@@ -79,7 +82,24 @@ def normalize_key(key) -> dict:
             if isinstance(value, bool) or not isinstance(value, int) and not hasattr(value, "__index__"):
                 raise TypeError(f"key[{field!r}]: expected an int, got {type(value).__name__} {value!r}")
             out[field] = int(value)
+    for field in ("R", "groups"):
+        if out[field] < 1:
+            raise ValueError(f"key[{field!r}]: expected an int >= 1, got {out[field]}")
+    out["groups"] = effective_groups(out["R"], out["groups"], out["twoshot"])
     return out
+
+
+def effective_groups(R: int, groups: int, twoshot: bool = False) -> int:
+    """The groups that own at least one slot: (R, groups) and (R, effective_groups) sum in the
+    same order (docs/spec.md, "Summation order": it depends only on S = ceil(slots/groups)), so
+    they give the same bits and share one cubin; the grouped build then also launches no idle
+    thread group. A twoshot kernel polls one slot (the gather row): always 1.
+
+    S' = ceil(slots/G') equals S for G' = ceil(slots/S): G' <= G gives S' >= S, and
+    G' >= slots/S gives S' <= S."""
+    slots = 1 if twoshot else R
+    per_group = -(-slots // groups)
+    return -(-slots // per_group)
 
 
 def load_manifest(directory=None) -> dict:
@@ -112,25 +132,30 @@ class Build(NamedTuple):
         return ("f" if self.fold else "m") + str(self.min_ctas)
 
 
-# Every key is built three times (timings of each build on the H200: docs/perf.md):
-#   grouped, no bound (128 * groups threads): the fastest grouped build up to LARGE_T tokens;
+# The builds of a key (timings of each on the H200: docs/perf.md):
+#   grouped, no bound (128 * groups threads, a thread group per rank range: the original
+#       kernel's layout): the faster grouped build up to 64 tokens;
 #   grouped, min_ctas=3: fewer registers (a few bytes spilled) and more resident clusters, so
 #       the faster grouped build for many tokens;
 #   folded, no bound (128 threads): fewer threads, no hand-off between groups and more
 #       resident clusters, faster than both grouped builds at every T measured.
-# Ready mode (XLA produced the mailbox: nothing to poll) uses the folded build at every T.
-# Protocol mode keeps the original kernel's grouped polling (128 * groups threads, a group per
-# rank range), unbounded up to LARGE_T tokens and bounded above.
+# The folded build serves both modes: ready mode (XLA produced the mailbox: nothing to poll)
+# and protocol mode, where its one group polls and re-arms every slot itself (kernel.py,
+# "FOLDED"). So one cubin per key serves every path, and the default set ships the grouped
+# builds only for the keys the GPU tests and benchmarks compare them on (build.py).
 GROUPED, GROUPED_BOUNDED, FOLDED = Build(0), Build(3), Build(0, True)
 BUILDS = (GROUPED, GROUPED_BOUNDED, FOLDED)
-LARGE_T = 64  # protocol mode: T above this uses the bounded grouped build
+# The build protocol mode (backend.consume, consume_twoshot, mode="peer") launches. Set it to
+# GROUPED or GROUPED_BOUNDED for an A/B comparison (python -m oproj_jax.bench.tp
+# --protocol-build m0); it is read when a call is traced, so set it before the first trace.
+PROTOCOL_BUILD = FOLDED
 
 
 def build_for(T: int, ready: bool) -> Build:
-    """The build that serves a call with T tokens, in ready mode or in protocol mode."""
-    if ready:
-        return FOLDED
-    return GROUPED_BOUNDED if T > LARGE_T else GROUPED
+    """The build that serves a call with T tokens, in ready mode (the folded one) or in
+    protocol mode (PROTOCOL_BUILD). No build depends on T today; callers pass it so that a
+    choice by token count needs no change on their side."""
+    return FOLDED if ready else PROTOCOL_BUILD
 
 
 def parse_build(text: str) -> Build:
@@ -245,22 +270,21 @@ _verified: set = set()  # (path, expected sha256, size, mtime_ns) of the cubins 
 _verified_lock = threading.Lock()
 
 
-def verified_cubin_path(manifest: dict, entry: dict, rebuild: str = REBUILD_COMMAND) -> Path:
+def verified_cubin_path(manifest: dict, entry: dict, rebuild: str = REBUILD_COMMAND, otherwise: str = "") -> Path:
     """The path of `entry`'s cubin, once its bytes hash to the sha256 the manifest records; else a
-    ValueError naming the file and `rebuild` (the command that rebuilds it)."""
+    ValueError naming the file and `rebuild` (the command that rebuilds it), then `otherwise`
+    (another fix, appended as written)."""
     path = cubin_path(manifest, entry)
+    fix = f"rebuild it with `{rebuild}`{otherwise}"
     expected = entry.get("sha256")
     if not isinstance(expected, str):
         raise ValueError(
-            f"cubin {path}: the manifest records no sha256 for it (built by an older "
-            f"oproj_jax.cute.build); rebuild it with `{rebuild}`"
+            f"cubin {path}: the manifest records no sha256 for it (built by an older oproj_jax.cute.build); {fix}"
         )
     try:
         stat = path.stat()
     except OSError as err:
-        raise ValueError(
-            f"cubin {path}: listed in the manifest but not readable ({err}); rebuild it with `{rebuild}`"
-        ) from None
+        raise ValueError(f"cubin {path}: listed in the manifest but not readable ({err}); {fix}") from None
     stamp = (str(path), expected, stat.st_size, stat.st_mtime_ns)
     with _verified_lock:
         if stamp in _verified:
@@ -269,7 +293,7 @@ def verified_cubin_path(manifest: dict, entry: dict, rebuild: str = REBUILD_COMM
     if actual != expected:
         raise ValueError(
             f"cubin {path}: its sha256 {actual} differs from the manifest's {expected} (the file "
-            f"changed after the build); refusing to launch it: rebuild it with `{rebuild}`"
+            f"changed after the build); refusing to launch it: {fix}"
         )
     with _verified_lock:
         _verified.add(stamp)

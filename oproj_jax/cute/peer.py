@@ -17,7 +17,7 @@ deadlock-freedom arguments):
     this rank's partial (-0.0 -> +0.0) and, fragment by fragment, WAITS until its slot in each
     rank's mailbox is empty again (all four 32-bit words of the fragment are the sentinel: the
     owner consumed the previous step and re-armed it), then stores it there; (2) the consumer
-    cubin in protocol mode (spin_limit >= 0, manifest.build_for(T, ready=False)) polls, sums in
+    cubin in protocol mode (timeout_us >= 0, manifest.build_for(T, ready=False)) polls, sums in
     the `groups` order, re-arms each fragment after reading it. The prefix is updated in place
     (aliased) as in the other targets.
   * No step counter anywhere: the mailbox's contents say who may write what, so the target is
@@ -28,9 +28,9 @@ deadlock-freedom arguments):
   * Ordering: a rank's peer calls for one (group, T, R) must run in the same order on every
     rank and one after the other on each device, which XLA's thunk sequence and its default
     command-buffer scheduling give (not --xla_gpu_command_buffer_scheduling_mode=CONCURRENT).
-  * Bounded waits: a slot still empty after `spin_limit` polling rounds makes the consumer
+  * Bounded waits: a slot still empty after `timeout_us` microseconds makes the consumer
     report status 1 (it then finishes on whatever it read); a slot its owner never re-armed
-    within `spin_limit` rounds makes the publish report status 4 (and store nothing there).
+    within `timeout_us` microseconds makes the publish report status 4 (and store nothing there).
     `tp_consumer(..., mode="peer")` returns the status per rank (the OR of both); eager calls
     check it, jitted callers call check_status. After such an error the mailboxes may hold a
     late publish nobody will consume: call reset().
@@ -75,7 +75,7 @@ _STATUS = {
     STATUS_UNARMED: "a peer never re-armed its slot: its consumer of the previous step did not run in time, so "
     "this rank's partial was not stored there",
 }
-# cute/publish.py PUBLISH_PARAMS: src, dest_0..15, n_dest, flags, fragments, spin_limit, control
+# cute/publish.py PUBLISH_PARAMS: src, dest_0..15, n_dest, flags, fragments, timeout_us, control
 PUBLISH_PARAMS = [".u64"] * (1 + MAX_RANKS) + [".u32", ".u64", ".u32", ".u32", ".u64"]
 
 
@@ -83,21 +83,19 @@ PUBLISH_PARAMS = [".u64"] * (1 + MAX_RANKS) + [".u32", ".u64", ".u32", ".u32", "
 class PeerOptions:
     """Options of mode="peer" (static: part of the compiled program).
 
-    spin_limit: polling rounds (one 16-byte load each, about a microsecond at most) before a
-        consumer gives up on an empty slot, or the publish kernel on a slot its owner has not
-        re-armed, and reports it; 0 = wait forever. The default (~seconds) is far above the
-        skew between ranks' launches, even on a first call that allocates the mailboxes.
+    timeout_us: microseconds of wall time (the GPU's %globaltimer) before a consumer gives up
+        on an empty slot, or the publish kernel on a slot its owner has not re-armed, and
+        reports it; an int in [1, 2**31), no "forever". The default (one second) is far above
+        the skew between ranks' launches, even on a first call that allocates the mailboxes.
     skip_publish_rank: TESTS ONLY. That rank publishes nothing, so every rank's consumer times
         out: how the GPU tests check that a missing rank becomes an error in bounded time.
     """
 
-    spin_limit: int = backend.DEFAULT_SPIN_LIMIT
+    timeout_us: int = backend.DEFAULT_TIMEOUT_US
     skip_publish_rank: int | None = None
 
     def __post_init__(self):
-        spin = self.spin_limit
-        if isinstance(spin, bool) or not isinstance(spin, (int, np.integer)) or not 0 <= spin < 2**31:
-            raise ValueError(f"spin_limit: expected an int in [0, 2**31) (polling rounds, 0 = forever), got {spin!r}")
+        object.__setattr__(self, "timeout_us", backend.check_timeout_us(self.timeout_us))
         skip = self.skip_publish_rank
         if skip is not None and (isinstance(skip, bool) or not isinstance(skip, (int, np.integer)) or skip < 0):
             raise ValueError(f"skip_publish_rank: expected None or a rank >= 0, got {skip!r}")
@@ -223,7 +221,7 @@ def consume(
         norm,
         query,
         out_norm,
-        **backend._attributes(kernel, eps, out_eps, options.spin_limit, True),
+        **backend._attributes(kernel, eps, out_eps, options.timeout_us, True),
         publish_cubin=publish_cubin,
         publish_entry=publish_entry,
         group=np.asarray(table, np.int64).reshape(-1),
@@ -246,8 +244,8 @@ def describe_status(code: int) -> str:
 def check_status(status) -> None:
     """Raises RuntimeError if any device's status word (PeerResult.status: one i32 per device of
     the mesh, in mesh order; on a 1-D mesh the rank) is nonzero: a slot stayed empty for
-    spin_limit polling rounds (a rank did not publish in time), or a peer's slot was not
-    re-armed within spin_limit rounds (its previous consumer did not run in time), so the
+    timeout_us microseconds (a rank did not publish in time), or a peer's slot was not
+    re-armed within timeout_us microseconds (its previous consumer did not run in time), so the
     outputs of that step are not valid. Reading it waits for the step to finish."""
     words = np.asarray(status).reshape(-1)
     failed = [int(r) for r in np.flatnonzero(words)]

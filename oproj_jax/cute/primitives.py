@@ -223,6 +223,17 @@ def stamp(addr, clock: str, thread):
         (), ((Int64, addr), (Int32, thread)))
 
 
+def globaltimer():
+    """%globaltimer: nanoseconds, one clock for every SM of the GPU (bounded waits use it)."""
+    return asm("mov.u64 $0, %globaltimer;", (Int64,))
+
+
+def timed_out(start, timeout_us):
+    """True once `timeout_us` (> 0) microseconds have passed since `start` (a globaltimer value);
+    never with timeout_us <= 0."""
+    return (timeout_us > 0) & (globaltimer() - start >= Int64(timeout_us) * 1000)
+
+
 def fence_acq_rel_gpu():
     asm("fence.acq_rel.gpu;")
 

@@ -14,8 +14,9 @@ One mailbox per device, no epochs, nothing the host counts: the mailbox's state 
 whether a slot may be written, which is what lets the handler put the call into a CUDA graph
 (csrc/peer_ffi.cc has the safety, progress and deadlock-freedom arguments).
 
-Bounded wait: after `spin_limit` rounds (0 = wait forever) with a destination still not
-re-armed, the thread gives up on it, does NOT store there, and the step reports
+Bounded wait: once `timeout_us` microseconds of %globaltimer have passed (wall time; 0 would
+wait forever and is refused by the Python side) with a destination still not re-armed, the
+thread gives up on it, does NOT store there, and the step reports
 STATUS_UNARMED. A launch reports exactly once: each CTA ORs its threads' outcome with one
 barrier reduction, thread 0 adds (1 | failed << 32) to a 64-bit counter in the handler's own
 memory (`control`, zero between launches), and the CTA whose add completes the count (the
@@ -42,7 +43,7 @@ either the sentinel or the final value of a word, never a torn one. The mailbox 
 ours (peer.py), never XLA's, so no XLA buffer is written behind XLA's back.
 
 Parameters (PTX .param order; PUBLISH_PARAMS): src u64, dest_0 .. dest_15 u64, n_dest i32,
-flags u64, fragments i32, spin_limit i32, control u64. Launch: grid (ceil(fragments / 128),
+flags u64, fragments i32, timeout_us i32, control u64. Launch: grid (ceil(fragments / 128),
 1, 1), block (128, 1, 1), no cluster, PDL on.
 """
 
@@ -58,7 +59,7 @@ MAX_RANKS = 16  # destinations per launch: the mailbox slots of a TP group
 THREADS = 128
 ENTRY_HINT = "publish"  # the kernel entry's name contains this (checked by build.py)
 PUBLISH_PARAMS = [".u64"] * (1 + MAX_RANKS) + [".u32", ".u64", ".u32", ".u32", ".u64"]
-# flags[2] after a launch: a destination slot was never re-armed within spin_limit rounds. A bit
+# flags[2] after a launch: a destination slot was never re-armed within timeout_us microseconds. A bit
 # of its own (the consumer stores 1 into flags[0]), so peer.py can OR the two words.
 STATUS_UNARMED = 4
 _U4 = (Uint32, Uint32, Uint32, Uint32)
@@ -132,7 +133,7 @@ class Publish:
     @cute.kernel
     def kernel(self, src: Int64, d0: Int64, d1: Int64, d2: Int64, d3: Int64, d4: Int64, d5: Int64,
                d6: Int64, d7: Int64, d8: Int64, d9: Int64, d10: Int64, d11: Int64, d12: Int64, d13: Int64,
-               d14: Int64, d15: Int64, n_dest: Int32, flags: Int64, fragments: Int32, spin_limit: Int32,
+               d14: Int64, d15: Int64, n_dest: Int32, flags: Int64, fragments: Int32, timeout_us: Int32,
                control: Int64):
         dests = (d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15)
         block, _, _ = cute.arch.block_idx()
@@ -147,14 +148,13 @@ class Publish:
             offset = Int64(i) * 16
             words = [P.without_negative_zero(w) for w in _ld_nc4(src + offset)]
             pending = _pending_mask(n_dest)
-            rounds = Int32(0)
+            start = P.globaltimer()
             while pending != 0:
                 seen = [_poll4_if(pending, 1 << r, dests[r] + offset) for r in range(MAX_RANKS)]
                 left = pending
                 for r in cutlass.range_constexpr(MAX_RANKS):
                     left = _store_if_empty(left, 1 << r, dests[r] + offset, seen[r], words)
-                rounds = rounds + 1
-                if (spin_limit > 0) & (rounds >= spin_limit) & (left != 0):
+                if P.timed_out(start, timeout_us) & (left != 0):
                     failed = Int32(1)  # give up: nothing is stored into a slot not re-armed
                     left = Int32(0)
                 pending = left
@@ -165,8 +165,8 @@ class Publish:
     @cute.jit
     def launch(self, src: Int64, d0: Int64, d1: Int64, d2: Int64, d3: Int64, d4: Int64, d5: Int64,
                d6: Int64, d7: Int64, d8: Int64, d9: Int64, d10: Int64, d11: Int64, d12: Int64, d13: Int64,
-               d14: Int64, d15: Int64, n_dest: Int32, flags: Int64, fragments: Int32, spin_limit: Int32,
+               d14: Int64, d15: Int64, n_dest: Int32, flags: Int64, fragments: Int32, timeout_us: Int32,
                control: Int64, stream):
         self.kernel(src, d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15, n_dest, flags,
-                    fragments, spin_limit, control).launch(
+                    fragments, timeout_us, control).launch(
             grid=[(fragments + THREADS - 1) // THREADS, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=True)

@@ -106,6 +106,20 @@ ffi::Error Launch(CUstream stream, const LaunchSpec& spec, void** params) {
   return ffi::Error::Success();
 }
 
+ffi::Error CheckVariant(std::string_view entry, ffi::Span<const int64_t> variant, int64_t slots, int64_t nb,
+                        int64_t reps) {
+  if (variant.size() != 3)
+    return ffi::Error::InvalidArgument(std::string(entry) + ": variant: expected [slots, NB, reps], got " +
+                                       std::to_string(variant.size()) + " values");
+  const char* names[3] = {"slots (R)", "completed blocks (NB)", "xmoe replicas"};
+  const int64_t got[3] = {slots, nb, reps};
+  for (int i = 0; i < 3; ++i)
+    if (variant[i] != got[i])
+      return ffi::Error::InvalidArgument(std::string(entry) + ": the cubin is built for " + names[i] + " = " +
+                                         std::to_string(variant[i]) + ", the operands have " + std::to_string(got[i]));
+  return ffi::Error::Success();
+}
+
 }  // namespace oproj
 
 namespace {

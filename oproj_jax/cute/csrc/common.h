@@ -117,6 +117,13 @@ ffi::Error Launch(CUstream stream, const LaunchSpec& spec, void** params);
 // XLA, which loads its own module from them).
 ffi::ErrorOr<const std::string*> CubinImage(std::string_view cubin, std::string_view entry);
 
+// The "variant" attribute, [slots, NB, reps]: what the cubin was compiled for (its mailbox or
+// receive slots, completed blocks and xmoe replicas are compile-time constants). Operands of
+// other shapes would make the kernel read or write out of bounds, so they are refused before
+// anything is launched or recorded.
+ffi::Error CheckVariant(std::string_view entry, ffi::Span<const int64_t> variant, int64_t slots, int64_t nb,
+                        int64_t reps);
+
 // ---- the record stage ---------------------------------------------------------------------------
 // XLA's command-buffer recording API (xla/ffi/api/record_api.h): a handler's record stage adds
 // kernel / memcpy nodes to XLA's CUDA graph and later updates their arguments in place.

@@ -14,8 +14,8 @@
 // No allocation, no synchronization in execute or record.
 //
 // `status` and `hints` are caller-owned 1-element buffers passed in and returned (aliased):
-// the kernel only ever *sets* status (nonzero = a slot was not published within spin_limit
-// polling rounds) and *adds* to hints, so the caller zeroes them (or carries them through a
+// the kernel only ever *sets* status (nonzero = a slot was not published within timeout_us
+// microseconds) and *adds* to hints, so the caller zeroes them (or carries them through a
 // loop: status is then sticky and is checked once, hints counts every publishing warp).
 // The host cannot read status right after the launch without a sync; Python reads the
 // returned buffer when it wants to know (oproj_jax.cute.backend.check_status).
@@ -119,7 +119,7 @@ struct Plan {
   // Launches take the address of each value, so they live here.
   void* ptr[12] = {};
   float eps = 0, out_eps = 0;
-  int32_t tokens = 0, spin_limit = 0, me = 0;
+  int32_t tokens = 0, timeout_us = 0, me = 0;
   int n_params = 14;
 
   Plan() = default;
@@ -135,7 +135,7 @@ struct Plan {
 
   void Params(void* slots, void* prefix, const Bf16_3& blocks, const Bf16_1& norm, const Bf16_1& query,
               const Bf16_1& out_norm, ffi::Result<Bf16_2>& output, ffi::Result<Bf16_3>& xmoe, void* hints,
-              void* status, float eps_, float out_eps_, int32_t tokens_, int32_t spin_limit_) {
+              void* status, float eps_, float out_eps_, int32_t tokens_, int32_t timeout_us_) {
     void* values[12] = {slots,
                         prefix,
                         OrValid(blocks.untyped_data(), blocks.element_count(), prefix),
@@ -149,7 +149,7 @@ struct Plan {
                         nullptr,
                         nullptr};
     std::copy(values, values + 12, ptr);
-    eps = eps_, out_eps = out_eps_, tokens = tokens_, spin_limit = spin_limit_;
+    eps = eps_, out_eps = out_eps_, tokens = tokens_, timeout_us = timeout_us_;
   }
 
   // twoshot: the receive slots, the gather target and this rank's slice
@@ -160,7 +160,7 @@ struct Plan {
   // The addresses cuLaunchKernelEx reads the parameters from.
   void** params() {
     params_ = {&ptr[0], &ptr[1], &ptr[2], &ptr[3], &ptr[4], &ptr[5], &ptr[6], &ptr[7], &ptr[8],
-               &ptr[9], &eps,    &out_eps, &tokens, &spin_limit, &ptr[10], &ptr[11], &me};
+               &ptr[9], &eps,    &out_eps, &tokens, &timeout_us, &ptr[10], &ptr[11], &me};
     return params_.data();
   }
 
@@ -170,7 +170,7 @@ struct Plan {
     out.reserve(n_params);
     for (int i = 0; i < 10; ++i) out.push_back(ffi::DevicePointer{ptr[i]});
     for (const void* value : {static_cast<const void*>(&eps), static_cast<const void*>(&out_eps),
-                              static_cast<const void*>(&tokens), static_cast<const void*>(&spin_limit)})
+                              static_cast<const void*>(&tokens), static_cast<const void*>(&timeout_us)})
       out.push_back(ffi::HostValue{value, 4});
     if (n_params == 17) {
       out.push_back(ffi::DevicePointer{ptr[10]});
@@ -249,16 +249,18 @@ ffi::Error PlanOneshot(Plan& plan,
                        ffi::Result<Counter> hints_out,   // aliases hints
                        ffi::Result<Status> status_out,   // aliases status
                        std::string_view cubin, std::string_view entry, int64_t smem, int64_t block,
-                       float eps, float out_eps, int32_t spin_limit, bool pdl) {
+                       float eps, float out_eps, int32_t timeout_us, bool pdl, ffi::Span<const int64_t> variant) {
   auto tokens = CheckCommon(entry, mailbox, prefix, blocks, norm, query, out_norm, output, xmoe, hints, status);
   if (tokens.has_error()) return tokens.error();
+  auto fits = CheckVariant(entry, variant, mailbox.dimensions()[0], blocks.dimensions()[1], xmoe->dimensions()[0]);
+  if (fits.failure()) return fits;
   int32_t T = int32_t(*tokens);
   plan.InPlace("mailbox", mailbox, mailbox_out, 2);
   plan.InPlace("prefix", prefix, prefix_out, 2);
   plan.InPlace("hints", hints, hints_out, 4);
   plan.InPlace("status", status, status_out, 4);
   plan.Params(mailbox_out->untyped_data(), prefix_out->untyped_data(), blocks, norm, query, out_norm, output, xmoe,
-              hints_out->untyped_data(), status_out->untyped_data(), eps, out_eps, T, spin_limit);
+              hints_out->untyped_data(), status_out->untyped_data(), eps, out_eps, T, timeout_us);
   plan.spec = {cubin, entry, smem, block, pdl, T};
   return ffi::Error::Success();
 }
@@ -276,18 +278,20 @@ ffi::Error PlanReady(Plan& plan,
                      ffi::Result<Bf16_3> xmoe,        // [reps, T, H] sanitized replicas
                      ffi::Result<Scratch> scratch,    // [2] u32: hints counter, status word (unread)
                      std::string_view cubin, std::string_view entry, int64_t smem, int64_t block,
-                     float eps, float out_eps, int32_t spin_limit, bool pdl) {
+                     float eps, float out_eps, int32_t timeout_us, bool pdl, ffi::Span<const int64_t> variant) {
   auto T = CheckInputs(entry, mailbox, prefix, blocks, norm, query, out_norm, output, xmoe);
   if (T.has_error()) return T.error();
+  auto fits = CheckVariant(entry, variant, mailbox.dimensions()[0], blocks.dimensions()[1], xmoe->dimensions()[0]);
+  if (fits.failure()) return fits;
   if (scratch->dimensions()[0] != 2) return ShapeError(entry, "scratch", "[2]", scratch->dimensions());
-  if (spin_limit >= 0)
-    return ffi::Error::InvalidArgument(std::string(entry) + ": spin_limit: the ready target needs < 0, got " +
-                                       std::to_string(spin_limit));
+  if (timeout_us >= 0)
+    return ffi::Error::InvalidArgument(std::string(entry) + ": timeout_us: the ready target needs < 0, got " +
+                                       std::to_string(timeout_us));
   plan.InPlace("prefix", prefix, prefix_out, 2);
   int32_t tokens = int32_t(*T);
   auto* words = static_cast<uint32_t*>(scratch->untyped_data());
   plan.Params(mailbox.untyped_data(), prefix_out->untyped_data(), blocks, norm, query, out_norm, output, xmoe, words,
-              words + 1, eps, out_eps, tokens, spin_limit);
+              words + 1, eps, out_eps, tokens, timeout_us);
   plan.spec = {cubin, entry, smem, block, pdl, tokens};
   return ffi::Error::Success();
 }
@@ -311,7 +315,8 @@ ffi::Error PlanTwoshot(Plan& plan,
                        ffi::Result<Status> status_out,   // aliases status
                        ffi::Result<Bf16_3> recv_out,     // aliases recv
                        std::string_view cubin, std::string_view entry, int64_t smem, int64_t block,
-                       float eps, float out_eps, int32_t spin_limit, bool pdl, int32_t me) {
+                       float eps, float out_eps, int32_t timeout_us, bool pdl, ffi::Span<const int64_t> variant,
+                       int32_t me) {
   auto tokens = CheckCommon(entry, gather, prefix, blocks, norm, query, out_norm, output, xmoe, hints, status);
   if (tokens.has_error()) return tokens.error();
   int32_t T = int32_t(*tokens);
@@ -320,6 +325,8 @@ ffi::Error PlanTwoshot(Plan& plan,
   auto r = recv.dimensions();
   const int64_t H = g[2];
   if (r[0] < 1 || r[1] != T || r[0] * r[2] != H) return ShapeError(entry, "recv", "[R, T, H/R]", r);
+  auto fits = CheckVariant(entry, variant, r[0], blocks.dimensions()[1], xmoe->dimensions()[0]);
+  if (fits.failure()) return fits;
   if (me < 0 || me >= r[0])
     return ffi::Error::InvalidArgument(std::string(entry) + ": me: expected 0 <= me < R = " + std::to_string(r[0]) +
                                        ", got " + std::to_string(me));
@@ -329,7 +336,7 @@ ffi::Error PlanTwoshot(Plan& plan,
   plan.InPlace("status", status, status_out, 4);
   plan.InPlace("recv", recv, recv_out, 2);
   plan.Params(gather_out->untyped_data(), prefix_out->untyped_data(), blocks, norm, query, out_norm, output, xmoe,
-              hints_out->untyped_data(), status_out->untyped_data(), eps, out_eps, T, spin_limit);
+              hints_out->untyped_data(), status_out->untyped_data(), eps, out_eps, T, timeout_us);
   // one GPU: the gather target is the gather row itself
   plan.Twoshot(recv_out->untyped_data(), gather_out->untyped_data(), me);
   plan.spec = {cubin, entry, smem, block, pdl, T};
@@ -351,8 +358,8 @@ ffi::Error PlanTwoshot(Plan& plan,
 
 #define COMMA ,
 #define ATTR_SIG std::string_view cubin, std::string_view entry, int64_t smem, int64_t block, float eps, \
-                 float out_eps, int32_t spin_limit, bool pdl
-#define ATTR_ARGS cubin, entry, smem, block, eps, out_eps, spin_limit, pdl
+                 float out_eps, int32_t timeout_us, bool pdl, ffi::Span<const int64_t> variant
+#define ATTR_ARGS cubin, entry, smem, block, eps, out_eps, timeout_us, pdl, variant
 #define PROTOCOL_SIG Bf16_3 slots, Bf16_2 prefix, Bf16_3 blocks, Bf16_1 norm, Bf16_1 query, Bf16_1 out_norm, \
                      Counter hints, Status status
 #define PROTOCOL_ARGS slots, prefix, blocks, norm, query, out_norm, hints, status
@@ -375,7 +382,7 @@ OPROJ_STAGES(Twoshot, PlanTwoshot,
 
 // initialize stage: the same call frame (every attribute must be bound); loads the module.
 ffi::Error Initialize(ffi::RemainingArgs, ffi::RemainingRets, std::string_view cubin, std::string_view entry,
-                      int64_t smem, int64_t block, float, float, int32_t, bool) {
+                      int64_t smem, int64_t block, float, float, int32_t, bool, ffi::Span<const int64_t>) {
   if (block < 1 || block > 1024)
     return ffi::Error::InvalidArgument(std::string(entry) + ": block: expected 1..1024 threads, got " +
                                        std::to_string(block));
@@ -385,8 +392,8 @@ ffi::Error Initialize(ffi::RemainingArgs, ffi::RemainingRets, std::string_view c
 
 ffi::Error TwoshotInitialize(ffi::RemainingArgs args, ffi::RemainingRets rets, std::string_view cubin,
                              std::string_view entry, int64_t smem, int64_t block, float eps, float out_eps,
-                             int32_t spin_limit, bool pdl, int32_t) {
-  return Initialize(args, rets, cubin, entry, smem, block, eps, out_eps, spin_limit, pdl);
+                             int32_t timeout_us, bool pdl, ffi::Span<const int64_t> variant, int32_t) {
+  return Initialize(args, rets, cubin, entry, smem, block, eps, out_eps, timeout_us, pdl, variant);
 }
 
 }  // namespace
@@ -399,8 +406,9 @@ ffi::Error TwoshotInitialize(ffi::RemainingArgs args, ffi::RemainingRets rets, s
       .Attr<int64_t>("block")            /* threads per CTA = 128 * groups */       \
       .Attr<float>("eps")                /* AttnRes key RMSNorm epsilon */          \
       .Attr<float>("out_eps")            /* output RMSNorm epsilon */               \
-      .Attr<int32_t>("spin_limit")       /* polling rounds; 0 = wait forever */     \
-      .Attr<bool>("pdl")                 /* programmatic stream serialization */
+      .Attr<int32_t>("timeout_us")       /* wall-time bound of a wait, microseconds */ \
+      .Attr<bool>("pdl")                 /* programmatic stream serialization */     \
+      .Attr<ffi::Span<const int64_t>>("variant") /* [slots, NB, reps] the cubin is built for */
 
 #define OPROJ_BUFFERS                                                \
   .Arg<Bf16_3>()    /* mailbox [R, T, H] or gather row [1, T, H] */  \

@@ -16,7 +16,7 @@
 //      mailbox, ld.relaxed.sys.v4, until all four words are the sentinel), then store it
 //      there (st.relaxed.sys.v4). Thread 0 zeroes flags[0] (the consumer's status); the
 //      launch's last CTA stores the publish status into flags[2] (0, or 4: a slot was never
-//      re-armed within spin_limit rounds; nothing was stored there);
+//      re-armed within timeout_us microseconds; nothing was stored there);
 //   2. the consumer cubin in protocol mode on this device's mailbox: polls every slot until
 //      published, sums in the `groups` order (the prefix bits of mode="oneshot"), re-arms each
 //      fragment after reading it (the same thread, kernel.py), may set flags[0] = 1.
@@ -69,7 +69,7 @@
 // could overlap in a graph: not supported.
 //
 // ---- Bounded waits, errors, reset -----------------------------------------------------------
-// Every wait gives up after `spin_limit` polling rounds (0 = never): a consumer whose slot
+// Every wait gives up after `timeout_us` microseconds of wall time: a consumer whose slot
 // stays empty stores status 1 into flags[0] and still re-arms; a publish thread whose
 // destination is never re-armed stores nothing there and makes flags[2] = 4. Python ORs the
 // two words (PeerResult.status) and raises on nonzero. After such an error, slots may hold
@@ -310,7 +310,7 @@ struct PeerPlan {
   void* dests[kMaxRanks] = {};
   int32_t n_dest = 0;
   void* flags = nullptr;
-  int32_t fragments = 0, spin_limit = 0;
+  int32_t fragments = 0, timeout_us = 0;
   void* control = nullptr;
   std::string_view publish_cubin, publish_entry;
   // the consumer's parameters, cute/ABI.md order (0..13)
@@ -334,7 +334,7 @@ struct PeerPlan {
     publish_params_[i++] = &src;
     for (auto& d : dests) publish_params_[i++] = &d;
     for (void* p : {static_cast<void*>(&n_dest), static_cast<void*>(&flags), static_cast<void*>(&fragments),
-                    static_cast<void*>(&spin_limit), static_cast<void*>(&control)})
+                    static_cast<void*>(&timeout_us), static_cast<void*>(&control)})
       publish_params_[i++] = p;
     return publish_params_.data();
   }
@@ -344,21 +344,21 @@ struct PeerPlan {
     out.push_back(ffi::HostValue{&n_dest, 4});
     out.push_back(ffi::DevicePointer{flags});
     out.push_back(ffi::HostValue{&fragments, 4});
-    out.push_back(ffi::HostValue{&spin_limit, 4});
+    out.push_back(ffi::HostValue{&timeout_us, 4});
     out.push_back(ffi::DevicePointer{control});
     return out;
   }
 
   void** consumer_params() {
     consumer_params_ = {&ptr[0], &ptr[1], &ptr[2], &ptr[3], &ptr[4], &ptr[5],    &ptr[6],
-                        &ptr[7], &ptr[8], &ptr[9], &eps,    &out_eps, &tokens, &spin_limit};
+                        &ptr[7], &ptr[8], &ptr[9], &eps,    &out_eps, &tokens, &timeout_us};
     return consumer_params_.data();
   }
   std::vector<ffi::KernelArg> consumer_args() const {
     std::vector<ffi::KernelArg> out;
     for (void* p : ptr) out.push_back(ffi::DevicePointer{p});
     for (const void* value : {static_cast<const void*>(&eps), static_cast<const void*>(&out_eps),
-                              static_cast<const void*>(&tokens), static_cast<const void*>(&spin_limit)})
+                              static_cast<const void*>(&tokens), static_cast<const void*>(&timeout_us)})
       out.push_back(ffi::HostValue{value, 4});
     return out;
   }
@@ -371,10 +371,11 @@ struct PeerPlan {
 // The attributes every stage binds (names are matched, order is free).
 #define PEER_ATTR_SIG                                                                                         \
   std::string_view cubin, std::string_view entry, int64_t smem, int64_t block, float eps, float out_eps,     \
-      int32_t spin_limit, bool pdl, std::string_view publish_cubin, std::string_view publish_entry,          \
-      ffi::Span<const int64_t> group, int64_t ranks, int32_t skip_rank
-#define PEER_ATTR_ARGS \
-  cubin, entry, smem, block, eps, out_eps, spin_limit, pdl, publish_cubin, publish_entry, group, ranks, skip_rank
+      int32_t timeout_us, bool pdl, std::string_view publish_cubin, std::string_view publish_entry,          \
+      ffi::Span<const int64_t> group, int64_t ranks, int32_t skip_rank, ffi::Span<const int64_t> variant
+#define PEER_ATTR_ARGS                                                                                        \
+  cubin, entry, smem, block, eps, out_eps, timeout_us, pdl, publish_cubin, publish_entry, group, ranks, skip_rank, \
+      variant
 #define PEER_BUFFER_SIG                                                                                       \
   Bf16_2 partial, Bf16_2 prefix, Bf16_3 blocks, Bf16_1 norm, Bf16_1 query, Bf16_1 out_norm,                  \
       ffi::Result<Bf16_2> prefix_out, ffi::Result<Bf16_2> output, ffi::Result<Bf16_3> xmoe,                  \
@@ -407,7 +408,8 @@ ffi::Error PlanPeer(PeerPlan& plan, int32_t ordinal, bool check_context,
   if (xmoe->dimensions()[1] != T || xmoe->dimensions()[2] != H)
     return ShapeError("xmoe", "[reps, T, H] with T, H of prefix", xmoe->dimensions());
   if (flags->dimensions()[0] != 3) return ShapeError("flags", "[3]", flags->dimensions());
-  if (spin_limit < 0) return Invalid("spin_limit: the protocol needs >= 0, got " + std::to_string(spin_limit));
+  if (auto fits = CheckVariant(kTarget, variant, ranks, b[1], xmoe->dimensions()[0]); fits.failure()) return fits;
+  if (timeout_us <= 0) return Invalid("timeout_us: every wait is bounded, expected > 0 microseconds, got " + std::to_string(timeout_us));
   if (block < 1 || block > 1024) return Invalid("block: expected 1..1024 threads, got " + std::to_string(block));
 
   auto found = FindGroup(ordinal, group, ranks, T, check_context);
@@ -422,7 +424,7 @@ ffi::Error PlanPeer(PeerPlan& plan, int32_t ordinal, bool check_context,
   plan.n_dest = int64_t(me) == skip_rank ? 0 : int32_t(ranks);
   plan.flags = words;
   plan.fragments = int32_t(T * H / 8);
-  plan.spin_limit = spin_limit;
+  plan.timeout_us = timeout_us;
   plan.control = reinterpret_cast<void*>(route->control);
   plan.publish_cubin = publish_cubin, plan.publish_entry = publish_entry;
 
@@ -553,13 +555,14 @@ ffi::Error PeerInitialize(int32_t ordinal, ffi::RemainingArgs args, ffi::Remaini
       .Attr<int64_t>("block")                     /* its threads per CTA */                        \
       .Attr<float>("eps")                         /* AttnRes key RMSNorm epsilon */                \
       .Attr<float>("out_eps")                     /* output RMSNorm epsilon */                     \
-      .Attr<int32_t>("spin_limit")                /* polling rounds before giving up; 0 = never */ \
+      .Attr<int32_t>("timeout_us")                /* microseconds of wall time before giving up */ \
       .Attr<bool>("pdl")                          /* programmatic stream serialization */          \
       .Attr<std::string_view>("publish_cubin")    /* cute/publish.py's cubin */                    \
       .Attr<std::string_view>("publish_entry")    /* its kernel entry */                           \
       .Attr<ffi::Span<const int64_t>>("group")    /* [groups, R] CUDA ordinals, rank order */      \
       .Attr<int64_t>("ranks")                     /* R */                                          \
-      .Attr<int32_t>("skip_rank")                 /* tests: this rank publishes nothing; -1 */
+      .Attr<int32_t>("skip_rank")                 /* tests: this rank publishes nothing; -1 */     \
+      .Attr<ffi::Span<const int64_t>>("variant")  /* [R, NB, reps] the consumer cubin is built for */
 
 #define OPROJ_PEER_BUFFERS                                \
   .Arg<Bf16_2>()      /* partial [T, H] */                \

@@ -1,0 +1,197 @@
+"""backend="triton": the Triton kernels of kernel.py launched from XLA through jax_triton.
+
+Each launch is one custom call, the prefix aliased input to output (`input_output_aliases`), so
+a jitted caller that donates `prefix` has it updated in place; the split variants pass the
+chunks' dot products to their second kernel in an f32 scratch output.
+The same plan.Plan as torch_launch.py: a JAX call and a PyTorch call of one shape compile the
+same kernels and give the same bits.
+
+jax_triton compiles for the compute capability of GPU 0 unless told (`launch(...,
+compute_capability=90)` lowers for an sm_90 device on a machine without one); it has no CPU or
+interpret path, so this backend runs on CUDA GPUs only.
+
+Two lowerings of a launch (`launch(..., lowering=...)`, DEFAULT_LOWERING): "triton_call",
+jax_triton.triton_call itself (in jax-triton 0.3.1 a legacy custom call, which XLA's thunk-level
+command-buffer pass may leave outside its graphs), and "ffi", the same compiled kernel and
+kernel-call proto sent to jaxlib's command-buffer-compatible FFI target instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+
+import jax
+import jax.numpy as jnp
+
+from oproj_jax.api import ConsumerResult, Dims
+from oproj_jax.triton import plan as launch_plan
+
+INSTALL = "pip install oproj-jax[triton]"
+
+
+def unavailable_reason(platform: str) -> str | None:
+    """None on a CUDA platform with triton, jax_triton and the CUDA plugin's Triton kernel call
+    (the compute capability of the devices, >= 8.0, is api.capability_reason's to check)."""
+    if platform not in ("gpu", "cuda"):
+        return (
+            f"the Triton kernel runs on NVIDIA CUDA GPUs through jax_triton, which has no CPU or "
+            f"interpret path; the platform is {platform!r}"
+        )
+    try:
+        import triton  # noqa: F401
+    except ImportError as err:
+        return f"the Triton backend needs triton ({err}): {INSTALL}"
+    from jaxlib import gpu_triton
+
+    if not hasattr(gpu_triton, "TritonKernelCall"):
+        return "this jaxlib has no CUDA Triton kernel call (the JAX CUDA plugin brings it): pip install jax[cuda13]"
+    try:
+        import jax_triton  # noqa: F401
+    except ImportError as err:
+        return f"the Triton backend needs jax-triton ({err}): {INSTALL}"
+    finally:
+        launch_plan.repair_cache_dir()
+    return None
+
+
+def unsupported_reason(dims: Dims, **options) -> str | None:
+    return launch_plan.unsupported_reason(dims.R)
+
+
+def consumer(
+    mailbox,  # [R, T, H] bf16
+    prefix,  # [T, H] bf16, updated in place (aliased)
+    blocks,  # [T, NB, H] bf16
+    norm,  # [H] bf16
+    query,  # [H] bf16
+    out_norm,  # [H] bf16
+    *,
+    eps,
+    out_eps,
+    has_delta,
+    groups,
+    xmoe_replicas,
+    variant: str | None = None,
+) -> ConsumerResult:
+    """The registry entry point (api.consumer has checked the arguments). `variant`: a name of
+    plan.VARIANTS, None for the default rule by T."""
+    options = dict(eps=eps, out_eps=out_eps, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas)
+    return launch(mailbox, prefix, blocks, norm, query, out_norm, **options, variant=variant)
+
+
+def launch(
+    mailbox,
+    prefix,
+    blocks,
+    norm,
+    query,
+    out_norm,
+    *,
+    variant: str | None = None,
+    compute_capability: int | None = None,
+    lowering: str | None = None,
+    **options,
+) -> ConsumerResult:
+    """`consumer`, compiled for `compute_capability` (e.g. 90; None: GPU 0's, jax_triton's rule),
+    each launch lowered as `lowering` (LOWERINGS; None: DEFAULT_LOWERING)."""
+    lowering = lowering or DEFAULT_LOWERING
+    if lowering not in LOWERINGS:
+        raise ValueError(f"lowering: expected one of {sorted(LOWERINGS)}, got {lowering!r}")
+    R, T, H = mailbox.shape
+    plan = launch_plan.make(R, T, blocks.shape[1], H, **options, variant=variant)
+    new_prefix, output, xmoe = _call(plan, compute_capability, lowering)(mailbox, prefix, blocks, norm, query, out_norm)
+    return ConsumerResult(new_prefix, output, xmoe if options["xmoe_replicas"] else None)
+
+
+def _name(launch: launch_plan.Launch) -> str:
+    return f"oproj_consumer_triton_{launch.kernel}"
+
+
+def _via_triton_call(launch: launch_plan.Launch, arrays, out_shape, aliases, compute_capability):
+    """jax_triton.triton_call: its custom call "triton_kernel_call" (a legacy custom call)."""
+    from jax_triton import triton_call
+
+    from oproj_jax.triton import kernel
+
+    return triton_call(
+        *arrays,
+        kernel=getattr(kernel, launch.kernel),
+        out_shape=out_shape,
+        grid=launch.grid,
+        name=_name(launch),
+        input_output_aliases=aliases,
+        compute_capability=compute_capability,
+        **launch.options(),
+        **dict(launch.constexprs),
+    )
+
+
+def _via_ffi(launch: launch_plan.Launch, arrays, out_shape, aliases, compute_capability):
+    """The kernel compiled by jax_triton as triton_call compiles it, the launch the same kernel
+    call (the same proto), sent to jaxlib's XLA FFI target FFI_TARGET: XLA records a custom call
+    into its command buffers only through an FFI handler that says it may, as this one does
+    (newer jax-triton releases lower there; 0.3.1 does not)."""
+    from jax_triton import triton_lib
+    from jaxlib import gpu_triton
+
+    from oproj_jax.triton import kernel
+
+    types = [triton_lib.get_triton_type(jax.core.ShapedArray(x.shape, x.dtype)) for x in (*arrays, *out_shape)]
+    compiled, _ = triton_lib.get_or_create_triton_kernel(
+        triton_lib.get_cuda_backend,
+        "cuda",
+        getattr(kernel, launch.kernel),
+        types,
+        (),
+        num_ctas=1,
+        compute_capability=compute_capability or gpu_triton.get_compute_capability(0),
+        metaparams=dict(launch.constexprs),
+        dump=False,
+        **launch.options(),
+    )
+    # Every buffer 16-byte aligned, as triton_call assumes (the kernel is specialized on it).
+    params = [gpu_triton.create_array_parameter(0, 16) for _ in types]
+    call = gpu_triton.TritonKernelCall(compiled, *(*launch.grid, 1, 1)[:3], params)
+    opaque = zlib.compress(call.to_proto(_name(launch), b""))
+    return jax.ffi.ffi_call(FFI_TARGET, out_shape, input_output_aliases=aliases)(*arrays, opaque=opaque)
+
+
+FFI_TARGET = "triton_kernel_call_ffi"
+LOWERINGS = {"triton_call": _via_triton_call, "ffi": _via_ffi}
+# triton_call, as specified; "ffi" where the thunk dump shows triton_call's custom calls outside
+# XLA's command buffers (tests/test_triton_gpu.py::test_xla_command_buffer_thunk_dump).
+DEFAULT_LOWERING = "triton_call"
+
+
+@functools.lru_cache(maxsize=None)
+def _call(plan: launch_plan.Plan, compute_capability: int | None, lowering: str):
+    """The plan's launches as a function of the six arrays. The kernels have no batch
+    dimension: under jax.vmap it runs once per batch element."""
+    import jax_triton  # noqa: F401
+
+    launch_plan.repair_cache_dir()
+    lower = LOWERINGS[lowering]
+
+    def run(launch: launch_plan.Launch, *arrays, out_shape, aliases=None):
+        return lower(launch, arrays, out_shape, aliases, compute_capability)
+
+    def call(mailbox, prefix, blocks, norm, query, out_norm):
+        T, H = prefix.shape
+        reps = dict(plan.launches[-1].constexprs)["REPS"]
+        rows = jax.ShapeDtypeStruct((T, H), jnp.bfloat16)
+        # Placeholders for pointers the kernels never touch: an xmoe of one element at
+        # xmoe_replicas = 0, norm for the blocks at NB = 0 (an empty operand may have no address).
+        xmoe = jax.ShapeDtypeStruct((reps, T, H) if reps else (1,), jnp.bfloat16)
+        blocks = blocks if blocks.shape[1] else norm
+        if plan.stats_shape is None:  # one program per token: one kernel
+            (single,) = plan.launches
+            args = (mailbox, prefix, blocks, norm, query, out_norm)
+            return run(single, *args, out_shape=(rows, rows, xmoe), aliases={1: 0})
+        sums, outs = plan.launches
+        stats = jax.ShapeDtypeStruct(plan.stats_shape, jnp.float32)
+        new_prefix, stats = run(sums, mailbox, prefix, blocks, norm, query, out_shape=(rows, stats), aliases={1: 0})
+        output, xmoe = run(outs, new_prefix, blocks, out_norm, stats, out_shape=(rows, xmoe))
+        return new_prefix, output, xmoe
+
+    return jax.custom_batching.sequential_vmap(call)

@@ -1,0 +1,388 @@
+"""The consumer as Triton kernels (docs/spec.md, "Arithmetic"); no JAX and no PyTorch here.
+
+torch_launch.py and backend.py launch them from the same plan.Plan. Pointers come first, inputs
+then outputs (jax_triton passes output buffers after the inputs); everything static is a
+constexpr. Offsets are int64 (R * T * H overflows int32 at large T).
+
+  row_kernel         grid (T,): a token's whole row in one program's registers, one pass over
+                     memory; the AttnRes softmax is folded in online (running max, denominator
+                     and mix, docs/spec.md "Streaming form").
+  tile_kernel        grid (T,): one program per token, two passes over column tiles: the rank
+                     sum, the new prefix and the dot products s_i.w and Gram matrix s_i.s_j of
+                     the NB + 1 sources (blocks, then the new prefix p), then the output from
+                     the softmax weights alpha and y.y = alpha^T G alpha.
+  split_sum_kernel   grid (T, C): the first pass over one chunk of columns per program; each
+                     chunk's dot products go to a scratch record.
+  split_out_kernel   grid (T, C): adds the chunks' records in chunk order, so every program of a
+                     token derives the same weights, then writes its chunk of the output.
+
+Variants and their launch parameters: plan.py.
+
+Rounding: bf16 <-> f32 conversions are done on the bits (to nearest, ties to even, by hand):
+the GPU's cvt.rn.bf16.f32 rounds so too, Triton's interpreter truncates, and the interpreter
+tests are to hold the bits the GPU gives.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _widen(x):
+    """bf16 -> f32, exact."""
+    return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round(x):
+    """f32 -> the bits (uint16) of the nearest bf16, ties to even; a NaN stays a quiet NaN."""
+    bits = x.to(tl.uint32, bitcast=True)
+    nearest = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return tl.where(x != x, 0x7FC0, nearest).to(tl.uint16)
+
+
+@triton.jit
+def _as_f32(bits):
+    """bf16 bits (uint16) -> f32, exact."""
+    return (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _as_bf16(bits):
+    return bits.to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _published(x):
+    # Producers publish -0.0 as +0.0 (docs/spec.md, "Mailbox protocol"); a compare with 0
+    # catches both zeros, so an all-zero rank sum is +0.0 on every backend.
+    x = _widen(x)
+    return tl.where(x == 0.0, 0.0, x)
+
+
+@triton.jit
+def _new_prefix(
+    mailbox,
+    prefix_in,
+    t,
+    T,
+    offs,
+    mask,
+    R: tl.constexpr,
+    H: tl.constexpr,
+    GROUPS: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+):
+    """The bits of the new prefix at `offs` of token t. The f32 adds follow reference.rank_sum
+    exactly (group g: ranks g*S .. g*S+S-1 left to right, then the groups in order): the
+    prefix bits depend on it. Only adds on this path, so nothing can contract into an FMA."""
+    PER_GROUP: tl.constexpr = (R + GROUPS - 1) // GROUPS
+    for first in tl.static_range(0, R, PER_GROUP):
+        group = _published(tl.load(mailbox + (first * T + t) * H + offs, mask=mask, other=0.0))
+        for r in tl.static_range(first + 1, first + PER_GROUP):
+            if r < R:
+                group = group + _published(tl.load(mailbox + (r * T + t) * H + offs, mask=mask, other=0.0))
+        if first == 0:
+            total = group
+        else:
+            total = total + group
+    reduced = _round(total)  # ROUND 1: the reduced partials are bf16
+    if HAS_DELTA:
+        old = _widen(tl.load(prefix_in + t * H + offs, mask=mask, other=0.0))
+        return _round(old + _as_f32(reduced))  # ROUND 2: the prefix is bf16
+    return reduced
+
+
+@triton.jit
+def _store_output(output, xmoe, t, T, offs, mask, y, REPS: tl.constexpr, H: tl.constexpr):
+    bits = _round(y)  # ROUND 3: the output is bf16
+    tl.store(output + t * H + offs, _as_bf16(bits), mask=mask)
+    if REPS > 0:
+        clean = _as_bf16(tl.where(bits == 0x8000, 0, bits).to(tl.uint16))  # xmoe: -0.0 written as +0.0
+        for k in tl.static_range(REPS):
+            tl.store(xmoe + (k * T + t) * H + offs, clean, mask=mask)
+
+
+@triton.jit
+def _weights(norm, query, offs, mask):
+    """w = norm * query in f32 (exact: two bf16 factors)."""
+    return _widen(tl.load(norm + offs, mask=mask, other=0.0)) * _widen(tl.load(query + offs, mask=mask, other=0.0))
+
+
+# ---- row: one program per token ---------------------------------------------------------------
+
+
+@triton.jit
+def _logit(s, w, EPS: tl.constexpr, H: tl.constexpr):
+    """query . RMSNorm(s) over a whole row; both row sums in one reduction (one barrier)."""
+    dot, square = tl.split(tl.sum(tl.join(s * w, s * s), axis=0))
+    return dot * tl.rsqrt(square / H + EPS)
+
+
+@triton.jit
+def row_kernel(
+    mailbox,
+    prefix_in,
+    blocks,
+    norm,
+    query,
+    out_norm,
+    prefix_out,
+    output,
+    xmoe,
+    R: tl.constexpr,
+    NB: tl.constexpr,
+    H: tl.constexpr,
+    GROUPS: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+    REPS: tl.constexpr,
+    EPS: tl.constexpr,
+    OUT_EPS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    T = tl.num_programs(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < H
+    p_bits = _new_prefix(mailbox, prefix_in, t, T, offs, mask, R, H, GROUPS, HAS_DELTA)
+    p = _as_f32(p_bits)
+    if NB == 0:
+        y = p  # one source: its weight is exactly 1 (docs/spec.md)
+    else:
+        w = _weights(norm, query, offs, mask)
+        # Online softmax over the blocks, then p: top (running max), den and mix (unnormalized).
+        # A NaN logit reaches den and mix through exp, so the row ends NaN as in the reference.
+        mix = _widen(tl.load(blocks + t * NB * H + offs, mask=mask, other=0.0))
+        top = _logit(mix, w, EPS, H)
+        den = tl.full((), 1.0, tl.float32)
+        for b in tl.static_range(1, NB + 1):
+            if b < NB:
+                s = _widen(tl.load(blocks + (t * NB + b) * H + offs, mask=mask, other=0.0))
+            else:
+                s = p
+            logit = _logit(s, w, EPS, H)
+            new_top = tl.maximum(top, logit)
+            old_scale = tl.exp(top - new_top)
+            e = tl.exp(logit - new_top)
+            mix = mix * old_scale + e * s
+            den = den * old_scale + e
+            top = new_top
+        y = mix / den
+    scale = tl.rsqrt(tl.sum(y * y, axis=0) / H + OUT_EPS)
+    on = _widen(tl.load(out_norm + offs, mask=mask, other=0.0))
+    # The prefix is stored last: no store between the loads, so the compiler may start them all
+    # early (it cannot prove that prefix_out aliases none of the inputs).
+    tl.store(prefix_out + t * H + offs, _as_bf16(p_bits), mask=mask)
+    _store_output(output, xmoe, t, T, offs, mask, (y * scale) * on, REPS, H)
+
+
+# ---- tile and split: dot products and a Gram matrix over column tiles -------------------------
+#
+# Sources are rows of a [SOURCES, SUB] tile: block i < NB, the new prefix p at row NB, zero rows
+# after. Per token: dots_i = s_i.w and gram_ij = s_i.s_j over all columns; then the softmax
+# weights alpha come from the dots and the diagonal, and y.y = alpha^T gram alpha, so the output
+# needs no second reduction over the row (docs/spec.md, "Streaming form").
+
+
+@triton.jit
+def _sum_tile(
+    mailbox,
+    prefix_in,
+    blocks,
+    norm,
+    query,
+    prefix_out,
+    t,
+    T,
+    offs,
+    mask,
+    dots,
+    gram,
+    R: tl.constexpr,
+    NB: tl.constexpr,
+    H: tl.constexpr,
+    GROUPS: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+    SOURCES: tl.constexpr,
+):
+    """Writes the new prefix at `offs` and returns (dots, gram) with this tile's parts added."""
+    p_bits = _new_prefix(mailbox, prefix_in, t, T, offs, mask, R, H, GROUPS, HAS_DELTA)
+    tl.store(prefix_out + t * H + offs, _as_bf16(p_bits), mask=mask)
+    s = _source_tile(blocks, t, offs, mask, _as_f32(p_bits), NB, H, SOURCES)
+    dots += tl.sum(s * _weights(norm, query, offs, mask)[None, :], axis=1)
+    # bf16 values are exact in tf32, so the tensor cores' products are exact; the sums are f32.
+    return dots, tl.dot(s, tl.trans(s), gram, input_precision="tf32")
+
+
+@triton.jit
+def _source_tile(blocks, t, offs, mask, p, NB: tl.constexpr, H: tl.constexpr, SOURCES: tl.constexpr):
+    i = tl.arange(0, SOURCES)
+    s = _widen(
+        tl.load(blocks + (t * NB + i[:, None]) * H + offs[None, :], mask=(i[:, None] < NB) & mask[None, :], other=0.0)
+    )
+    return tl.where(i[:, None] == NB, p[None, :], s)
+
+
+@triton.jit
+def _mix(
+    dots, gram, NB: tl.constexpr, H: tl.constexpr, EPS: tl.constexpr, OUT_EPS: tl.constexpr, SOURCES: tl.constexpr
+):
+    """(alpha [SOURCES], the output scale rstd(y.y)) from a token's dots and Gram matrix."""
+    i = tl.arange(0, SOURCES)
+    real = i < NB + 1
+    if NB == 0:
+        alpha = tl.where(i == 0, 1.0, 0.0)  # one source: weight exactly 1 (docs/spec.md)
+    else:
+        diag = tl.sum(tl.where(i[:, None] == i[None, :], gram, 0.0), axis=1)
+        logit = tl.where(real, dots * tl.rsqrt(diag / H + EPS), float("-inf"))
+        e = tl.exp(logit - tl.max(logit, axis=0))  # a NaN logit makes every weight NaN
+        alpha = e / tl.sum(e, axis=0)
+    # Only real pairs: a padding row times an infinite source is 0 * inf = NaN.
+    terms = tl.where(real[:, None] & real[None, :], alpha[:, None] * gram * alpha[None, :], 0.0)
+    quad = tl.sum(tl.sum(terms, axis=1), axis=0)
+    # >= 0 in exact arithmetic, but a cancelling mix can round below it; a NaN stays NaN.
+    quad = tl.where(quad < 0.0, 0.0, quad)
+    return alpha, tl.rsqrt(quad / H + OUT_EPS)
+
+
+@triton.jit
+def _out_tile(
+    prefix,
+    blocks,
+    out_norm,
+    output,
+    xmoe,
+    t,
+    T,
+    offs,
+    mask,
+    alpha,
+    scale,
+    NB: tl.constexpr,
+    H: tl.constexpr,
+    REPS: tl.constexpr,
+    SOURCES: tl.constexpr,
+):
+    p = _widen(tl.load(prefix + t * H + offs, mask=mask, other=0.0))
+    y = tl.sum(alpha[:, None] * _source_tile(blocks, t, offs, mask, p, NB, H, SOURCES), axis=0)
+    on = _widen(tl.load(out_norm + offs, mask=mask, other=0.0))
+    _store_output(output, xmoe, t, T, offs, mask, (y * scale) * on, REPS, H)
+
+
+@triton.jit
+def tile_kernel(
+    mailbox,
+    prefix_in,
+    blocks,
+    norm,
+    query,
+    out_norm,
+    prefix_out,
+    output,
+    xmoe,
+    R: tl.constexpr,
+    NB: tl.constexpr,
+    H: tl.constexpr,
+    GROUPS: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+    REPS: tl.constexpr,
+    EPS: tl.constexpr,
+    OUT_EPS: tl.constexpr,
+    SUB: tl.constexpr,
+    SOURCES: tl.constexpr,
+):
+    """Grid (T,): one program per token, two passes over its column tiles (the second re-reads
+    the blocks and the new prefix), registers bounded by the tile."""
+    t = tl.program_id(0).to(tl.int64)
+    T = tl.num_programs(0).to(tl.int64)
+    dots = tl.zeros([SOURCES], tl.float32)
+    gram = tl.zeros([SOURCES, SOURCES], tl.float32)
+    for k in range(0, H, SUB):  # a loop, not unrolled: 28 unrolled tiles take minutes to compile
+        offs = k + tl.arange(0, SUB)
+        dots, gram = _sum_tile(
+            mailbox, prefix_in, blocks, norm, query, prefix_out, t, T, offs, offs < H, dots, gram,
+            R, NB, H, GROUPS, HAS_DELTA, SOURCES,
+        )  # fmt: skip
+    # The second pass reads prefix elements other threads of this program stored.
+    tl.debug_barrier()
+    alpha, scale = _mix(dots, gram, NB, H, EPS, OUT_EPS, SOURCES)
+    for k in range(0, H, SUB):
+        offs = k + tl.arange(0, SUB)
+        _out_tile(prefix_out, blocks, out_norm, output, xmoe, t, T, offs, offs < H, alpha, scale, NB, H, REPS, SOURCES)
+
+
+@triton.jit
+def split_sum_kernel(
+    mailbox,
+    prefix_in,
+    blocks,
+    norm,
+    query,
+    prefix_out,
+    stats,
+    R: tl.constexpr,
+    NB: tl.constexpr,
+    H: tl.constexpr,
+    GROUPS: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SUB: tl.constexpr,
+    SOURCES: tl.constexpr,
+):
+    """Grid (T, C): chunk c of token t writes its prefix columns and its part of dots and gram
+    to stats[t, c] (SOURCES lanes of dots, then SOURCES * SOURCES of gram)."""
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    T = tl.num_programs(0).to(tl.int64)
+    dots = tl.zeros([SOURCES], tl.float32)
+    gram = tl.zeros([SOURCES, SOURCES], tl.float32)
+    for k in tl.static_range(0, BLOCK, SUB):
+        offs = c * BLOCK + k + tl.arange(0, SUB)
+        dots, gram = _sum_tile(
+            mailbox, prefix_in, blocks, norm, query, prefix_out, t, T, offs, offs < H, dots, gram,
+            R, NB, H, GROUPS, HAS_DELTA, SOURCES,
+        )  # fmt: skip
+    i = tl.arange(0, SOURCES)
+    real = i < NB + 1  # the padding lanes are never read
+    record = stats + (t * tl.num_programs(1) + c) * (SOURCES + SOURCES * SOURCES)
+    tl.store(record + i, dots, mask=real)
+    tl.store(record + SOURCES + i[:, None] * SOURCES + i[None, :], gram, mask=real[:, None] & real[None, :])
+
+
+@triton.jit
+def split_out_kernel(
+    prefix,
+    blocks,
+    out_norm,
+    stats,
+    output,
+    xmoe,
+    NB: tl.constexpr,
+    H: tl.constexpr,
+    REPS: tl.constexpr,
+    EPS: tl.constexpr,
+    OUT_EPS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SUB: tl.constexpr,
+    SOURCES: tl.constexpr,
+    CHUNKS: tl.constexpr,
+):
+    """Grid (T, C): adds token t's chunk records in chunk order (every program of the token gets
+    the same bits, so the same weights), then writes chunk c of the output."""
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    T = tl.num_programs(0).to(tl.int64)
+    i = tl.arange(0, SOURCES)
+    real = i < NB + 1
+    dots = tl.zeros([SOURCES], tl.float32)
+    gram = tl.zeros([SOURCES, SOURCES], tl.float32)
+    for chunk in tl.static_range(CHUNKS):
+        record = stats + (t * CHUNKS + chunk) * (SOURCES + SOURCES * SOURCES)
+        dots += tl.load(record + i, mask=real, other=0.0)
+        gram += tl.load(
+            record + SOURCES + i[:, None] * SOURCES + i[None, :], mask=real[:, None] & real[None, :], other=0.0
+        )
+    alpha, scale = _mix(dots, gram, NB, H, EPS, OUT_EPS, SOURCES)
+    for k in tl.static_range(0, BLOCK, SUB):
+        offs = c * BLOCK + k + tl.arange(0, SUB)
+        _out_tile(prefix, blocks, out_norm, output, xmoe, t, T, offs, offs < H, alpha, scale, NB, H, REPS, SOURCES)

@@ -1,0 +1,156 @@
+"""How the Triton consumer is launched: its variants, the rule that picks one by T (the one
+place it is decided), and the launch parameters.
+
+torch_launch.py and backend.py both launch from a `Plan`, so a PyTorch call and a JAX call of
+the same shape compile the same kernel with the same constexprs and options, and give the same
+bits. No JAX, no PyTorch here.
+
+Variants (kernel.py has the kernels), named kind-columns-warps:
+  row-w{8,16}     row_kernel: one program per token holds the whole row (next power of two >= H
+                  lanes) in registers, one pass over memory. For large T.
+  tile-*          tile_kernel: one program per token, two passes over `sub`-column tiles (the
+                  second re-reads the blocks and the new prefix, from L2 while the programs in
+                  flight fit there); few registers, so several programs share an SM.
+  split-*         split_sum_kernel then split_out_kernel, grid (T, C): C programs per token,
+                  each owning `block` columns; the chunks' dot products meet in a scratch
+                  buffer. For small T, where one program per token would leave most SMs idle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+
+SOURCES = 16  # rows of the tile and split kernels' source tiles: NB + 1 <= 9, padded (tl.dot takes >= 16)
+ROW_MAX_H = 16384  # row: a whole row lives in registers; above this the tile and split variants run
+MAX_RANKS = 64  # the rank sum is unrolled at compile time, one load per rank
+NUM_STAGES = 1  # no software-pipelined loops in these kernels
+# No FMA contraction anywhere: the prefix path is adds only, and with contraction off the PTX
+# carries .rn on every f32 mul/add, so the CUDA driver's JIT (JAX) and ptxas (PyTorch) emit the
+# same arithmetic and the two launches give the same output bits too.
+ENABLE_FP_FUSION = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    kind: str  # "row", "tile" or "split"
+    block: int  # split: columns per program; otherwise 0 (the whole row)
+    sub: int  # tile, split: columns per [SOURCES, sub] tile; row: 0
+    num_warps: int
+
+    @property
+    def name(self) -> str:
+        return "-".join([self.kind, *(str(n) for n in (self.block or self.sub,) if n), f"w{self.num_warps}"])
+
+
+VARIANTS = {
+    v.name: v
+    for v in (
+        Variant("row", 0, 0, 8),
+        Variant("row", 0, 0, 16),
+        Variant("tile", 0, 256, 4),
+        Variant("tile", 0, 512, 8),
+        Variant("split", 128, 128, 4),
+        Variant("split", 256, 256, 4),
+        Variant("split", 512, 256, 4),
+        Variant("split", 1024, 256, 4),
+        Variant("split", 2048, 512, 8),
+    )
+}
+
+# The default rule: the first (largest T, variant) whose bound holds. At T = 1 a single program
+# would pull the whole ~358 KB row set alone; splitting the row keeps T * C programs >= ~28.
+# Large T: one pass over memory, the row in registers (16 warps, ~110 registers a thread: one
+# program an SM; compiled for sm_90). Not yet tuned on a GPU: benchmarks/triton_gpu.py times every variant at each T.
+RULE = ((2, "split-256-w4"), (16, "split-512-w4"), (64, "split-1024-w4"), (math.inf, "row-w16"))
+WIDE_ROW = "tile-512-w8"  # in place of a row variant where H > ROW_MAX_H
+
+
+def default_variant(T: int, H: int) -> str:
+    """The variant the launchers take for T tokens of hidden size H when none is named."""
+    name = next(name for bound, name in RULE if T <= bound)
+    return WIDE_ROW if H > ROW_MAX_H and VARIANTS[name].kind == "row" else name
+
+
+def choose(variant: str | None, T: int, H: int) -> Variant:
+    """The named variant (None: the default rule), or a ValueError naming `variant`."""
+    name = default_variant(T, H) if variant is None else variant
+    if name not in VARIANTS:
+        raise ValueError(f"variant: expected None or one of {sorted(VARIANTS)}, got {variant!r}")
+    chosen = VARIANTS[name]
+    if chosen.kind == "row" and H > ROW_MAX_H:
+        raise ValueError(
+            f"variant: {name!r} holds a row in registers, H <= {ROW_MAX_H}; got H={H} (take a tile or split one)"
+        )
+    return chosen
+
+
+def unsupported_reason(R: int) -> str | None:
+    if R > MAX_RANKS:
+        return f"the Triton kernel unrolls the rank sum: R <= {MAX_RANKS}, got R={R}"
+    return None
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    kernel: str  # a kernel of kernel.py
+    grid: tuple[int, ...]
+    constexprs: tuple[tuple[str, object], ...]  # sorted (name, value): hashable
+    num_warps: int
+
+    def options(self) -> dict:
+        """The compile options both launchers pass (their defaults differ otherwise)."""
+        return dict(num_warps=self.num_warps, num_stages=NUM_STAGES, enable_fp_fusion=ENABLE_FP_FUSION)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    variant: Variant
+    launches: tuple[Launch, ...]  # in order; split: the sum kernel, then the output kernel
+    stats_shape: tuple[int, ...] | None  # split: the f32 scratch [T, C, record] between the two
+
+
+@functools.lru_cache(maxsize=256)  # eager PyTorch calls ask for the same plan again and again
+def make(
+    R: int,
+    T: int,
+    NB: int,
+    H: int,
+    *,
+    eps: float,
+    out_eps: float,
+    has_delta: bool,
+    groups: int,
+    xmoe_replicas: int,
+    variant: str | None = None,
+) -> Plan:
+    """The launches of one call (arguments already checked, api.check_arguments)."""
+    chosen = choose(variant, T, H)
+    shared = dict(NB=NB, H=H)
+    sums = dict(shared, R=R, GROUPS=groups, HAS_DELTA=bool(has_delta))
+    outs = dict(shared, REPS=xmoe_replicas, EPS=float(eps), OUT_EPS=float(out_eps))
+    launch = lambda kernel, grid, constexprs: Launch(kernel, grid, tuple(sorted(constexprs.items())), chosen.num_warps)
+    if chosen.kind == "row":
+        return Plan(chosen, (launch("row_kernel", (T,), dict(sums, **outs, BLOCK=max(16, _pow2(H)))),), None)
+    tiles = dict(SUB=chosen.sub, SOURCES=SOURCES)
+    if chosen.kind == "tile":
+        return Plan(chosen, (launch("tile_kernel", (T,), dict(sums, **outs, **tiles)),), None)
+    chunks = -(-H // chosen.block)
+    tiles["BLOCK"] = chosen.block
+    first = launch("split_sum_kernel", (T, chunks), dict(sums, **tiles))
+    second = launch("split_out_kernel", (T, chunks), dict(outs, **tiles, CHUNKS=chunks))
+    return Plan(chosen, (first, second), (T, chunks, SOURCES + SOURCES * SOURCES))
+
+
+def repair_cache_dir() -> None:
+    """jax_triton (0.3.1) sets TRITON_CACHE_DIR="" on import; Triton's JIT (the PyTorch launches)
+    then refuses to compile ("Could not create or locate cache dir"). An empty value is dropped,
+    so Triton takes its default again; jax_triton compiles without the cache either way."""
+    if os.environ.get("TRITON_CACHE_DIR") == "":
+        del os.environ["TRITON_CACHE_DIR"]

@@ -1,0 +1,111 @@
+"""The Triton consumer from PyTorch: the kernels of kernel.py on CUDA bf16 tensors.
+
+    from oproj_jax.triton import torch_launch
+    prefix, output, xmoe = torch_launch.consumer(mailbox, prefix, blocks, norm, query, out_norm, groups=4)
+
+`prefix` is updated in place (and returned); output and xmoe are new tensors. One launch (row
+and tile variants) or two (split variants) on the current stream, no host synchronization: the
+call can be captured in a CUDA graph. With TRITON_INTERPRET=1 in the environment before kernel.py is
+imported, the kernels run in Triton's interpreter on CPU tensors (slow; for tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from oproj_jax.options import DEFAULTS, Options
+from oproj_jax.torch_ref import TorchResult, check_tensors
+from oproj_jax.triton import kernel
+from oproj_jax.triton import plan as launch_plan
+
+MIN_CAPABILITY = (8, 0)  # bf16 arithmetic
+
+
+def interpreted() -> bool:
+    """True when kernel.py was imported under TRITON_INTERPRET=1: its kernels run on the CPU."""
+    import triton
+
+    return not isinstance(kernel.row_kernel, triton.runtime.JITFunction)
+
+
+def _check_launchable(torch, named: dict) -> None:
+    mailbox = named["mailbox"]
+    R, T, H = mailbox.shape
+    if min(R, T, H) < 1:
+        raise ValueError(f"mailbox: expected R, T, H >= 1 (shape [R, T, H]), got {tuple(mailbox.shape)}")
+    reason = launch_plan.unsupported_reason(R)
+    if reason:
+        raise ValueError(f"mailbox: {reason}")
+    for name, x in named.items():
+        if not x.is_contiguous():
+            raise ValueError(
+                f"{name}: expected a contiguous tensor (the kernel indexes rows of H elements), got strides "
+                f"{tuple(x.stride())} for shape {tuple(x.shape)}" + ("" if name == "prefix" else "; call .contiguous()")
+            )
+    device = mailbox.device
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < MIN_CAPABILITY:
+            raise ValueError(
+                f"mailbox: device {device} has compute capability {capability[0]}.{capability[1]}; the Triton "
+                f"kernel needs {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer (bf16)"
+            )
+    elif not interpreted():
+        raise ValueError(
+            f"mailbox: expected CUDA tensors (the Triton kernel runs on the GPU; on CPU tensors only in "
+            f"Triton's interpreter, TRITON_INTERPRET=1), got device {device}"
+        )
+
+
+def consumer(
+    mailbox,  # [R, T, H] bf16 torch.Tensor
+    prefix,  # [T, H] bf16, updated in place
+    blocks,  # [T, NB, H] bf16, 0 <= NB <= 8
+    norm,  # [H] bf16
+    query,  # [H] bf16
+    out_norm,  # [H] bf16
+    *,
+    eps: float = DEFAULTS.eps,
+    out_eps: float = DEFAULTS.out_eps,
+    has_delta: bool = DEFAULTS.has_delta,
+    groups: int = DEFAULTS.groups,
+    xmoe_replicas: int = DEFAULTS.xmoe_replicas,
+    variant: str | None = None,
+) -> TorchResult:
+    """Returns TorchResult(prefix (the argument, updated), output, xmoe or None). `variant`: a
+    name of plan.VARIANTS, None for the default rule (plan.default_variant). Raises TypeError /
+    ValueError naming the argument (dtype, shape, device, layout, option) before launching."""
+    import torch
+
+    named = dict(mailbox=mailbox, prefix=prefix, blocks=blocks, norm=norm, query=query, out_norm=out_norm)
+    check_tensors(torch, **named)
+    options = Options(eps=eps, out_eps=out_eps, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas)
+    R, T, H = mailbox.shape
+    NB = blocks.shape[1]
+    plan = launch_plan.make(R, T, NB, H, **options.asdict(), variant=variant)
+    _check_launchable(torch, named)
+    output = torch.empty_like(prefix)
+    xmoe = (
+        torch.empty((options.xmoe_replicas, T, H), dtype=prefix.dtype, device=prefix.device)
+        if options.xmoe_replicas
+        else None
+    )
+    # Placeholders for pointers the kernel never touches: no blocks at NB = 0 (an empty tensor
+    # may have no address), no xmoe at xmoe_replicas = 0.
+    blocks_arg = blocks if NB else norm
+    xmoe_arg = output if xmoe is None else xmoe
+    with torch.cuda.device(prefix.device) if prefix.device.type == "cuda" else contextlib.nullcontext():
+        if plan.stats_shape is None:  # one program per token: one kernel
+            (single,) = plan.launches
+            _run(single, mailbox, prefix, blocks_arg, norm, query, out_norm, prefix, output, xmoe_arg)
+        else:
+            sums, outs = plan.launches
+            stats = torch.empty(plan.stats_shape, dtype=torch.float32, device=prefix.device)
+            _run(sums, mailbox, prefix, blocks_arg, norm, query, prefix, stats)
+            _run(outs, prefix, blocks_arg, out_norm, stats, output, xmoe_arg)
+    return TorchResult(prefix, output, xmoe)
+
+
+def _run(launch: launch_plan.Launch, *tensors) -> None:
+    launch_plan.repair_cache_dir()
+    getattr(kernel, launch.kernel)[launch.grid](*tensors, **dict(launch.constexprs), **launch.options())

@@ -1,0 +1,202 @@
+"""Compile on first use (oproj_jax/cute/cache.py), without a GPU: a real variant outside the
+prebuilt set compiled into a private cache by the first call that needs it, reused by a fresh
+process without compiling, compiled once by two processes racing for it, refused once its
+cubin is changed. Skipped with the reason where the CuTe DSL is not importable; about 15 s.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from oproj_jax import configs
+from oproj_jax.cute import backend, cache, ffi
+from oproj_jax.cute import manifest as M
+
+H = configs.HIDDEN
+# R = 3 is outside the prebuilt family; groups=4 sums as 3 groups of one slot (S = 1)
+OPTIONS = dict(has_delta=True, groups=4, xmoe_replicas=0)
+KEY = backend.kernel_key(3, 1, twoshot=False, **OPTIONS)
+COMPILING = "compiling the CuTe cubin"  # the one line cache.py logs per compile
+
+
+def _dsl_missing_reason():
+    try:
+        import cutlass.cute  # noqa: F401
+    except Exception as err:  # the DSL raises more than ImportError when its libs are absent
+        return f"CuTe DSL not importable ({type(err).__name__}: {err}): nothing compiles on first use"
+    return None
+
+
+@pytest.fixture(scope="module")
+def library(tmp_path_factory):
+    """The FFI library lowering registers: the checkout's if it exports today's handlers, else
+    one built into a temporary directory (~20 s)."""
+    path = ffi.library_path()
+    try:
+        lib = ctypes.CDLL(str(path))
+        for stages in ffi.SYMBOLS.values():
+            for symbol in (stages.initialize, stages.execute):
+                if symbol:
+                    getattr(lib, symbol)
+        return path
+    except (OSError, AttributeError):
+        return ffi.build_library(tmp_path_factory.mktemp("lib"))
+
+
+def _env(cache_dir, prebuilt_dir) -> dict:
+    """A process environment with its own cache and an empty prebuilt directory (no manifest)."""
+    env = {k: v for k, v in os.environ.items() if k != cache.ENV_NO_COMPILE}
+    env.update({cache.ENV_CACHE_DIR: str(cache_dir), M.ENV_DIR: str(prebuilt_dir), "JAX_PLATFORMS": "cpu"})
+    return env
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture(scope="module")
+def first_use(tmp_path_factory, library):
+    """The registry call at R = 3 lowered for CUDA with nothing prebuilt: it compiles the
+    variant into a fresh cache. Returns (the environment, the HLO text, the kernel, the log)."""
+    reason = _dsl_missing_reason()
+    if reason:
+        pytest.skip(reason)
+    root = tmp_path_factory.mktemp("first_use")
+    (root / "prebuilt").mkdir()
+    env = _env(root / "cache", root / "prebuilt")
+    log = _Lines()
+    with pytest.MonkeyPatch.context() as patch:
+        for name in (cache.ENV_CACHE_DIR, M.ENV_DIR):
+            patch.setenv(name, env[name])
+        patch.delenv(cache.ENV_NO_COMPILE, raising=False)
+        patch.setenv("OPROJ_JAX_FFI_LIBRARY", str(library))
+        cache.log.addHandler(log)
+        try:
+            fn = functools.partial(backend.consumer, eps=1e-6, out_eps=1e-6, **OPTIONS)
+            specs = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((3, 2, H), (2, H), (2, 1, H), (H,), (H,), (H,))]
+            text = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+            kernel = backend._kernel(KEY, 2, True)
+        finally:
+            cache.log.removeHandler(log)
+        yield env, text, kernel, log.lines
+
+
+def _entry_file(cubin: str):
+    return cubin.removesuffix(".cubin") + ".json"
+
+
+def test_the_first_call_compiles_into_the_cache_and_launches_it(first_use):
+    env, text, kernel, lines = first_use
+    assert len([line for line in lines if COMPILING in line]) == 1, lines
+    fingerprint = M.source_fingerprint(cache.cute_build.dsl_version())
+    assert os.path.dirname(kernel.cubin) == os.path.join(env[cache.ENV_CACHE_DIR], fingerprint)
+    entry = json.loads(open(_entry_file(kernel.cubin)).read())
+    assert entry["sha256"] == M.file_sha256(kernel.cubin) and entry["key"] == KEY and entry["fold"]
+    assert entry["block"] == [128, 1, 1] and entry["entry"] == kernel.entry
+    (call,) = [line for line in text.splitlines() if f"stablehlo.custom_call @{ffi.READY_TARGET}(" in line]
+    assert f'cubin = "{kernel.cubin}"' in call and f'entry = "{kernel.entry}"' in call
+
+
+def test_an_equivalent_groups_takes_the_same_cubin(first_use, monkeypatch):
+    env, _, kernel, _ = first_use
+    for name in (cache.ENV_CACHE_DIR, M.ENV_DIR):
+        monkeypatch.setenv(name, env[name])
+    monkeypatch.delenv(cache.ENV_NO_COMPILE, raising=False)
+    monkeypatch.setattr(cache, "_compile", lambda *a: pytest.fail("a cached variant was compiled again"))
+    same = backend.kernel_key(3, 1, has_delta=True, groups=3, xmoe_replicas=0, twoshot=False)  # S = 1 as well
+    assert same == KEY and backend._kernel(same, 7, True) == kernel
+
+
+_LOOKUP = textwrap.dedent("""
+    import json, sys, time
+    from pathlib import Path
+    from oproj_jax.cute import backend
+    key = json.loads(sys.argv[1])
+    if len(sys.argv) > 2:  # a start line: every racer asks for the kernel at the same moment
+        barrier = Path(sys.argv[2])
+        (barrier / sys.argv[3]).touch()
+        while len(list(barrier.iterdir())) < int(sys.argv[4]):
+            time.sleep(0.01)
+    kernel = backend._kernel(key, 1, True)
+    print(json.dumps({"cubin": kernel.cubin, "dsl_imported": "cutlass" in sys.modules}))
+""")
+
+
+def _lookup(env, *barrier) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", _LOOKUP, json.dumps(KEY), *map(str, barrier)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _finish(process) -> tuple[dict, str]:
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1]), err
+
+
+def test_a_fresh_process_reuses_the_cached_cubin(first_use):
+    env, _, kernel, _ = first_use
+    before = os.stat(kernel.cubin)
+    result, err = _finish(_lookup(env))
+    after = os.stat(kernel.cubin)
+    assert result["cubin"] == kernel.cubin
+    assert COMPILING not in err, err[-2000:]
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)  # not rewritten
+    assert not result["dsl_imported"]  # a cached variant needs no DSL import
+
+
+def test_two_processes_racing_for_a_variant_compile_it_once(tmp_path):
+    reason = _dsl_missing_reason()
+    if reason:
+        pytest.skip(reason)
+    (tmp_path / "prebuilt").mkdir()
+    (tmp_path / "barrier").mkdir()
+    env = _env(tmp_path / "cache", tmp_path / "prebuilt")
+    racers = [_lookup(env, tmp_path / "barrier", i, 2) for i in range(2)]
+    results = [_finish(p) for p in racers]
+    assert sum(err.count(COMPILING) for _, err in results) == 1, [err[-1500:] for _, err in results]
+    (cubin,) = {r["cubin"] for r, _ in results}
+    entry = json.loads(open(_entry_file(cubin)).read())
+    assert entry["sha256"] == M.file_sha256(cubin)
+    directory = os.path.dirname(cubin)
+    assert not [f for f in os.listdir(directory) if f.endswith(".tmp")]  # no partial file left
+
+
+def test_a_changed_cached_cubin_is_refused(first_use, tmp_path, monkeypatch):
+    env, _, kernel, _ = first_use
+    copy = tmp_path / "cache"
+    shutil.copytree(env[cache.ENV_CACHE_DIR], copy)
+    monkeypatch.setenv(cache.ENV_CACHE_DIR, str(copy))
+    monkeypatch.setenv(M.ENV_DIR, env[M.ENV_DIR])
+    monkeypatch.delenv(cache.ENV_NO_COMPILE, raising=False)
+    monkeypatch.setattr(cache, "_compile", lambda *a: pytest.fail("a changed cubin was compiled over"))
+    cubin = copy / os.path.relpath(kernel.cubin, env[cache.ENV_CACHE_DIR])
+    cubin.write_bytes(cubin.read_bytes()[:-1] + b"!")
+    with pytest.raises(ValueError, match="sha256") as err:
+        backend._kernel(KEY, 1, True)
+    message = str(err.value)
+    assert str(cubin) in message and "python -m oproj_jax.cute.build --key 3,1,1,3,0,0 --builds f0" in message
+    assert f"or delete {_entry_file(str(cubin))} to compile it again on first use" in message
+    dims = backend.Dims(3, 1, 1, H)
+    assert "sha256" in backend.unsupported_reason(dims, **OPTIONS)  # not offered as supported either

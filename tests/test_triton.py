@@ -1,0 +1,527 @@
+"""backend="triton" without a GPU: the kernels in Triton's interpreter against the oracle, the
+same kernels compiled for sm_90, the JAX call lowered for CUDA, the plan, the PyTorch entry's
+argument errors. The GPU runs are tests/test_triton_gpu.py.
+
+  * interpreter: torch_launch.consumer on CPU tensors in a subprocess started with
+    TRITON_INTERPRET=1 (Triton reads it when kernel.py's @triton.jit runs), every kernel kind
+    over the summation orders, has_delta, NB = 0, xmoe, R = 1 and 2, -0.0, NaN and infinities,
+    small H and H = 7168 once; each call held to testing.check_result (prefix bit for bit).
+  * sm_90: triton.compile with GPUTarget("cuda", 90, 32) gives PTX and a cubin for every kernel
+    of the plans the launchers run, with no FMA and `.rn` on every f32 add and mul (contraction
+    off: the prefix is adds only, and JAX's and PyTorch's launches emit the same arithmetic).
+  * JAX: backend.launch(..., compute_capability=90) under jax.jit lowers for CUDA, in both
+    lowerings (triton_call's custom call, and the FFI target), jax_triton compiling the PTX for
+    sm_90 here, the prefix operand aliased to output 0 (and donated); the CUDA plugin's
+    kernel-call objects, absent from a CPU jaxlib, are stand-ins. Under vmap: a loop of calls.
+  * the plan (the default rule, shapes, refusals), the PyTorch entry's argument errors,
+    testing.spread_tokens, and benchmarks/triton_gpu.py as far as it runs without a GPU.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+import types
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from oproj_jax import configs, testing
+from oproj_jax.configs import Config
+from oproj_jax.triton import plan
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ARGS = ("mailbox", "prefix", "blocks", "norm", "query", "out_norm")
+EPS = dict(eps=0.5, out_eps=0.25)  # large against the sources' mean squares: a swapped epsilon shows
+KINDS = ("row-w8", "tile-256-w4", "split-256-w4")  # one variant of each kernel
+
+
+# ---- interpreter ------------------------------------------------------------------------------
+
+
+def _nan_inf(x):
+    """test_contract's non-finite case: a NaN slot (token 0), an infinite slot (token 1), with
+    blocks an infinite block element (token 2), without a +inf and a -inf slot."""
+    x["mailbox"][3, 0, 5] = np.nan
+    x["mailbox"][7, 1, 9] = np.inf
+    if x["blocks"].shape[1]:
+        x["blocks"][2, 0, 3] = -np.inf
+    else:
+        x["mailbox"][2, 1, 9] = -np.inf
+
+
+def _inf_prefix(x):  # NB = 0: output = p * rstd(p.p) = p * 0, NaN at the infinite element
+    x["mailbox"][0, 0, 9] = np.inf
+
+
+def _negative_zeros(x):  # every slot -0.0: the prefix is +0.0 there
+    x["mailbox"][:, 1, :300] = -0.0
+
+
+def _negative_zero_output(x):  # output -0.0 (p = +0.0 times a negative out_norm): +0.0 in xmoe
+    x["mailbox"][:, 1, 9] = 0.0
+    x["out_norm"][9] = -1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    config: Config
+    variant: str | None  # None: the default rule
+    change: object = None  # a function that edits the inputs in place
+
+    @property
+    def id(self) -> str:
+        tag = f"-{self.change.__name__.strip('_')}" if self.change else ""
+        return f"{self.config.name}-H{self.config.H}-{self.variant or 'default'}{tag}"
+
+
+def _cases() -> list[Case]:
+    small = [
+        Config(16, 3, 8, H=512),  # the production order (groups 4) with C = 2 chunks in split-256
+        Config(16, 3, 8, groups=1, H=256),
+        Config(16, 2, 3, groups=2, H=256, xmoe_replicas=2),
+        Config(16, 3, 0, groups=3, has_delta=False, H=256),
+        Config(2, 3, 1, groups=3, H=256),
+        Config(1, 2, 8, groups=1, H=256, xmoe_replicas=1),
+    ]
+    cases = [Case(c, v) for c in small for v in KINDS]
+    nonfinite = [Config(16, 4, 8, H=256), Config(16, 3, 0, groups=3, has_delta=False, H=256)]
+    cases += [Case(c, v, _nan_inf) for c in nonfinite for v in KINDS]
+    cases += [Case(Config(2, 2, 0, groups=1, H=256), v, _inf_prefix) for v in KINDS]
+    cases += [Case(Config(16, 3, 0, groups=3, has_delta=False, H=512), v, _negative_zeros) for v in KINDS]
+    cases += [Case(Config(2, 3, 0, groups=1, has_delta=False, xmoe_replicas=2, H=256), "row-w8", _negative_zero_output)]
+    # the production H: the default (split-256), and chunks of several tiles, the last one partial
+    cases += [Case(Config(16, 2, 8, H=7168), v) for v in (None, "row-w8", "tile-512-w8", "split-2048-w8")]
+    return cases
+
+
+CASES = _cases()
+
+_INTERPRET = textwrap.dedent("""
+    import json, pathlib, sys
+    import numpy as np, torch
+    from oproj_jax.triton import torch_launch
+    assert torch_launch.interpreted(), "TRITON_INTERPRET=1 did not reach kernel.py"
+    folder = pathlib.Path(sys.argv[1])
+    bf16 = lambda a: torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    for case in json.loads((folder / "cases.json").read_text()):
+        x = np.load(folder / f"{case['id']}.in.npz")
+        result = torch_launch.consumer(*(bf16(x[k].copy()) for k in case["args"]), **case["options"])
+        out = {k: v.view(torch.int16).numpy() for k, v in result._asdict().items() if v is not None}
+        np.savez(folder / f"{case['id']}.out.npz", **out)
+""")
+
+
+def _inputs(case: Case) -> dict:
+    x = {k: v.copy() for k, v in configs.make_inputs(case.config, seed=3).items()}
+    if case.change:
+        case.change(x)
+    return x
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    """case id -> (inputs, (prefix, output, xmoe) as numpy bf16): every case in one interpreter
+    process (starting one costs seconds)."""
+    folder = tmp_path_factory.mktemp("interpret")
+    table = []
+    for case in CASES:
+        np.savez(folder / f"{case.id}.in.npz", **{k: v.view(np.uint16) for k, v in _inputs(case).items()})
+        options = dict(EPS, **case.config.options(), variant=case.variant)
+        table.append(dict(id=case.id, args=ARGS, options=options))
+    (folder / "cases.json").write_text(json.dumps(table))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run(
+        [sys.executable, "-c", _INTERPRET, str(folder)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = {}
+    for case in CASES:
+        out = np.load(folder / f"{case.id}.out.npz")
+        got = [out[k].view(ml_dtypes.bfloat16) if k in out else None for k in ("prefix", "output", "xmoe")]
+        results[case.id] = (_inputs(case), tuple(got))
+    return results
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_interpreter_matches_the_oracle(interpreted, case):
+    inputs, result = interpreted[case.id]
+    testing.check_result(case.config, inputs, result, **EPS, what=case.id)
+
+
+def test_interpreter_nonfinite_rows(interpreted):
+    """Where NaN and infinities land (the oracle checks positions; these are the expected ones)."""
+    for case in CASES:
+        if case.change is not _nan_inf:
+            continue
+        _, (prefix, output, _) = interpreted[case.id]
+        prefix, output = prefix.astype(np.float32), output.astype(np.float32)
+        assert np.isnan(prefix[0, 5]), case.id
+        assert prefix[1, 9] == np.inf if case.config.NB else np.isnan(prefix[1, 9]), case.id
+        assert np.isnan(output[:-1]).all() and np.isfinite(output[-1]).all(), case.id
+
+
+def test_interpreter_zeros(interpreted):
+    for case in CASES:
+        _, (prefix, output, xmoe) = interpreted[case.id]
+        if case.change is _negative_zeros:
+            assert (testing.bits(prefix)[1, :300] == 0).all(), f"{case.id}: a sum of -0.0 slots is not +0.0"
+        if case.change is _negative_zero_output:
+            assert testing.bits(output)[1, 9] == 0x8000 and (testing.bits(xmoe)[:, 1, 9] == 0).all(), case.id
+        if case.change is _inf_prefix:
+            row = output[0].astype(np.float32)
+            assert np.isnan(row[9]) and (np.delete(row, 9) == 0).all(), case.id
+
+
+def test_interpreter_variants_agree_on_the_prefix(interpreted):
+    """Every kernel kind writes the same prefix bits (they all follow the one summation order)."""
+    by_input: dict = {}
+    for case in CASES:
+        by_input.setdefault((case.config, case.change), []).append(testing.bits(interpreted[case.id][1][0]))
+    for key, prefixes in by_input.items():
+        for other in prefixes[1:]:
+            np.testing.assert_array_equal(other, prefixes[0], err_msg=str(key))
+
+
+# ---- compiled for sm_90 -----------------------------------------------------------------------
+
+
+def test_triton_is_the_real_compiler():
+    """`import triton` inside oproj_jax.triton is the Triton package, not this one."""
+    from oproj_jax.triton import kernel
+
+    assert pathlib.Path(kernel.triton.__file__).parent.name == "triton"
+    assert "oproj_jax" not in kernel.triton.__file__
+
+
+def test_kernel_module_imports_neither_jax_nor_torch():
+    from oproj_jax.triton import kernel
+
+    tree = ast.parse(pathlib.Path(kernel.__file__).read_text())
+    names = {
+        alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
+    }
+    names |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert names == {"triton"}, names
+
+
+PRODUCTION = dict(eps=1e-6, out_eps=1e-6, has_delta=True, groups=4, xmoe_replicas=1)
+FIRST_LAYER = dict(eps=1e-6, out_eps=1e-6, has_delta=False, groups=3, xmoe_replicas=0)
+PLANS = {  # every kernel as the launchers run it, at R=16 NB=8 H=7168 and with the other branches
+    "T1-default": plan.make(16, 1, 8, 7168, **PRODUCTION),
+    "T4096-default": plan.make(16, 4096, 8, 7168, **PRODUCTION),
+    "T64-tile": plan.make(16, 64, 8, 7168, **PRODUCTION, variant="tile-256-w4"),
+    **{
+        f"NB0-{v}": plan.make(3, 2, 0, 7168, **FIRST_LAYER, variant=v)
+        for v in ("row-w8", "tile-256-w4", "split-512-w4")
+    },
+}
+
+
+def _compile_sm90(launch: plan.Launch):
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from oproj_jax.triton import kernel
+
+    fn = getattr(kernel, launch.kernel)
+    constexprs = dict(launch.constexprs)
+    pointers = [name for name in fn.arg_names if name not in constexprs]
+    signature = {
+        name: "constexpr" if name in constexprs else "*fp32" if name == "stats" else "*bf16" for name in fn.arg_names
+    }
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in pointers}  # as jax_triton assumes
+    source = triton.compiler.ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=launch.options())
+
+
+@pytest.mark.parametrize("name", PLANS)
+def test_kernels_compile_for_sm90_without_fma(name, tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    for launch in PLANS[name].launches:
+        compiled = _compile_sm90(launch)
+        ptx = compiled.asm["ptx"]
+        assert ".target sm_90" in ptx and f".entry {launch.kernel}" in ptx
+        assert compiled.asm["cubin"][:4] == b"\x7fELF", "no cubin"
+        assert not re.search(r"\bfma\.", ptx), f"{launch.kernel}: an FMA in the PTX"
+        bare = re.findall(r"\b(?:add|sub|mul)\.f32\b", ptx)
+        assert not bare, f"{launch.kernel}: {len(bare)} f32 add/mul without .rn (ptxas may contract them)"
+        assert re.search(r"\badd\.rn\.f32\b", ptx)
+
+
+# ---- the JAX call, lowered for CUDA -----------------------------------------------------------
+
+
+@pytest.fixture
+def cuda_triton_stand_ins(monkeypatch, tmp_path):
+    """jaxlib's Triton kernel-call objects (the CUDA plugin's, missing from a CPU jaxlib) as
+    stand-ins that record what jax_triton compiled; asking a GPU for its capability fails."""
+    from jaxlib import gpu_triton
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # importing jax_triton overwrites it
+
+    compiled = []
+
+    class TritonKernel:
+        def __init__(self, name, num_warps, num_ctas, shared_mem, ptx, ttir, compute_capability):
+            compiled.append(dict(name=name, num_warps=num_warps, ptx=ptx, compute_capability=compute_capability))
+
+    class TritonKernelCall:
+        def __init__(self, kernel, grid_x, grid_y, grid_z, params):
+            pass
+
+        def to_proto(self, name, metadata):
+            return name.encode()
+
+    def no_gpu(*args):
+        raise AssertionError("asked a GPU")
+
+    stand_ins = dict(
+        TritonKernel=TritonKernel,
+        TritonKernelCall=TritonKernelCall,
+        create_array_parameter=lambda *a: a,
+        create_scalar_parameter=lambda *a: a,
+        get_compute_capability=no_gpu,
+        get_serialized_metadata=no_gpu,
+    )
+    for name, value in stand_ins.items():
+        monkeypatch.setattr(gpu_triton, name, value, raising=False)
+    from jax_triton import triton_lib
+
+    monkeypatch.setattr(triton_lib, "_COMPILED_KERNEL_CACHE", {})
+    return compiled
+
+
+def _lowered(variant, T, *, lowering="triton_call", vmap=False):
+    from oproj_jax.triton import backend
+
+    R, NB, H = 16, 8, 7168
+    shapes = [(R, T, H), (T, H), (T, NB, H), (H,), (H,), (H,)]
+    if vmap:
+        shapes = [(2, *s) if i < 2 else s for i, s in enumerate(shapes)]
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
+
+    def step(*arrays):
+        return backend.launch(*arrays, **PRODUCTION, variant=variant, compute_capability=90, lowering=lowering)
+
+    if vmap:
+        step = jax.vmap(step, in_axes=(0, 0, None, None, None, None))
+    return jax.jit(step, donate_argnums=1).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+TARGETS = {"triton_call": "triton_kernel_call", "ffi": "triton_kernel_call_ffi"}
+ALIASED = "output_operand_aliases = [#stablehlo.output_operand_alias<output_tuple_indices = [0], operand_index = 1,"
+
+
+def _custom_calls(text: str, lowering: str) -> list[str]:
+    return re.findall(rf"stablehlo\.custom_call @{TARGETS[lowering]}\(.*", text)
+
+
+@pytest.mark.parametrize("lowering", TARGETS)
+@pytest.mark.parametrize(("variant", "T", "kernels"), [(None, 1, 2), ("row-w8", 64, 1), ("tile-256-w4", 8, 1)])
+def test_jax_call_lowers_for_cuda_with_the_prefix_aliased(cuda_triton_stand_ins, variant, T, kernels, lowering):
+    text = _lowered(variant, T, lowering=lowering)
+    calls = _custom_calls(text, lowering)
+    assert len(calls) == kernels, text[:3000]
+    assert ALIASED in calls[0], "the prefix (operand 1) is not aliased to output 0"
+    assert all("output_operand_aliases" not in call for call in calls[1:])
+    assert re.search(r"%arg1: tensor<\d+x7168xbf16> \{tf\.aliasing_output = 0", text), "the donated prefix"
+    if lowering == "ffi":  # the typed FFI, the kernel-call proto as its `opaque` attribute
+        assert all('mhlo.backend_config = {opaque = "' in call for call in calls)
+    assert len(cuda_triton_stand_ins) == kernels
+    for kernel in cuda_triton_stand_ins:
+        assert kernel["compute_capability"] == 90 and ".target sm_90" in kernel["ptx"], kernel["name"]
+
+
+@pytest.mark.parametrize("lowering", TARGETS)
+def test_jax_call_under_vmap_runs_once_per_element(cuda_triton_stand_ins, lowering):
+    text = _lowered("row-w8", 3, lowering=lowering, vmap=True)
+    assert "stablehlo.while" in text and len(_custom_calls(text, lowering)) == 1
+
+
+def test_unknown_lowering_is_named():
+    from oproj_jax.triton import backend
+
+    arrays = [jnp.zeros(s, jnp.bfloat16) for s in [(1, 1, 16), (1, 16), (1, 0, 16), (16,), (16,), (16,)]]
+    with pytest.raises(ValueError, match=r"lowering: expected one of \['ffi', 'triton_call'\], got 'xla'"):
+        backend.launch(*arrays, **PRODUCTION, lowering="xla")
+
+
+def test_unavailable_without_the_cuda_plugin():
+    from oproj_jax.triton import backend
+
+    assert "no CPU or interpret path" in backend.unavailable_reason("cpu")
+    from jaxlib import gpu_triton
+
+    if not hasattr(gpu_triton, "TritonKernelCall"):
+        assert "JAX CUDA plugin" in backend.unavailable_reason("gpu")
+
+
+# ---- the plan ---------------------------------------------------------------------------------
+
+
+def test_default_rule_by_tokens():
+    assert [plan.default_variant(t, 7168) for t in (1, 8, 64, 512, 4096)] == [
+        "split-256-w4",
+        "split-512-w4",
+        "split-1024-w4",
+        "row-w16",
+        "row-w16",
+    ]
+    assert plan.default_variant(4096, 32768) == plan.WIDE_ROW  # a row too wide for registers
+    assert all(plan.VARIANTS[name].name == name for name in plan.VARIANTS)
+
+
+def test_plan_shapes():
+    split = plan.make(16, 3, 8, 7168, **PRODUCTION, variant="split-512-w4")
+    assert [launch.kernel for launch in split.launches] == ["split_sum_kernel", "split_out_kernel"]
+    assert {launch.grid for launch in split.launches} == {(3, 14)}
+    assert split.stats_shape == (3, 14, plan.SOURCES * (plan.SOURCES + 1))
+    row = plan.make(16, 3, 8, 7168, **PRODUCTION, variant="row-w16")
+    assert (
+        row.stats_shape is None and row.launches[0].grid == (3,) and dict(row.launches[0].constexprs)["BLOCK"] == 8192
+    )
+    assert row.launches[0].options() == dict(num_warps=16, num_stages=1, enable_fp_fusion=False)
+
+
+def test_plan_refuses_unknown_and_oversized_variants():
+    with pytest.raises(ValueError, match=r"variant: expected None or one of \[.*'row-w8'"):
+        plan.make(16, 3, 8, 7168, **PRODUCTION, variant="row")
+    with pytest.raises(ValueError, match="variant: 'row-w8' holds a row in registers"):
+        plan.make(16, 3, 8, 32768, **PRODUCTION, variant="row-w8")
+    assert "R <= 64" in plan.unsupported_reason(65) and plan.unsupported_reason(16) is None
+
+
+# ---- the PyTorch entry's argument errors ------------------------------------------------------
+
+
+def _tensors(**changes):
+    torch = pytest.importorskip("torch")
+    from oproj_jax import torch_ref
+
+    x = {k: torch_ref.from_numpy(v) for k, v in configs.make_inputs(Config(2, 2, 1, H=256), seed=1).items()}
+    for name, how in changes.items():
+        x[name] = how(torch, x[name])
+    return [x[k] for k in ARGS]
+
+
+BAD = [
+    ("dtype", dict(mailbox=lambda torch, t: t.float()), {}, TypeError, "mailbox: expected a bfloat16 torch.Tensor"),
+    ("shape", dict(prefix=lambda torch, t: t[:1]), {}, ValueError, "prefix: expected shape (2, 256)"),
+    ("blocks", dict(blocks=lambda torch, t: t.repeat(1, 9, 1)), {}, ValueError, "blocks: expected shape [T, NB, H]"),
+    ("layout", dict(prefix=lambda torch, t: t.t().contiguous().t()), {}, ValueError, "prefix: expected a contiguous"),
+    ("layout-norm", dict(norm=lambda torch, t: t.repeat(2)[::2]), {}, ValueError, "norm: expected a contiguous"),
+    (
+        "no-tokens",
+        dict(mailbox=lambda torch, t: t[:, :0], prefix=lambda torch, t: t[:0], blocks=lambda torch, t: t[:0]),
+        {},
+        ValueError,
+        "mailbox: expected R, T, H >= 1",
+    ),
+    ("device", {}, {}, ValueError, "mailbox: expected CUDA tensors"),
+    ("option", {}, dict(groups=5), ValueError, "groups: expected 1 <= groups <= 4, got 5"),
+    ("variant", {}, dict(variant="fast"), ValueError, "variant: expected None or one of"),
+    (
+        "ranks",
+        dict(mailbox=lambda torch, t: t[:1].repeat(65, 1, 1)),
+        {},
+        ValueError,
+        "mailbox: the Triton kernel unrolls",
+    ),
+]
+
+
+@pytest.mark.parametrize(("changes", "options", "error", "text"), [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_torch_entry_names_the_bad_argument(changes, options, error, text):
+    """Raised before anything launches (CPU tensors outside the interpreter are themselves an
+    error, the last one checked)."""
+    from oproj_jax.triton import torch_launch
+
+    tensors = _tensors(**changes)
+    before = [t.clone() for t in tensors]
+    with pytest.raises(error) as info:
+        torch_launch.consumer(*tensors, **options)
+    assert str(info.value).startswith(text), str(info.value)
+    assert all(a.equal(b) for a, b in zip(tensors, before)), "the call modified its arguments"
+
+
+def test_torch_entry_refuses_an_old_gpu(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from oproj_jax.triton import torch_launch
+
+    class OnOldGPU:  # what _check_launchable reads of a tensor
+        shape = (2, 2, 256)
+        device = types.SimpleNamespace(type="cuda")
+
+        def is_contiguous(self):
+            return True
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (7, 5))
+    with pytest.raises(
+        ValueError, match=r"mailbox: device .* has compute capability 7\.5; the Triton kernel needs 8\.0"
+    ):
+        torch_launch._check_launchable(torch, dict.fromkeys(ARGS, OnOldGPU()))
+
+
+# ---- the GPU benchmark script, what runs without a GPU ----------------------------------------
+
+
+def _script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("triton_gpu_script", ROOT / "benchmarks" / "triton_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_script_without_a_gpu_records_every_step_as_skipped(tmp_path):
+    script = _script()
+    assert script.main(["--allow-cpu", "--out", str(tmp_path), "--tokens", "1,4096", "--budget", "30"]) == 0
+    (path,) = tmp_path.glob("*-triton.json")
+    records = json.loads(path.read_text())
+    assert records[0]["kind"] == "header" and "triton" in records[0]["backends"]
+    skipped = [r for r in records[1:] if r["kind"] == "skipped"]
+    assert len(skipped) == 2 * len(plan.VARIANTS) and {r["T"] for r in skipped} == {1, 4096}
+    assert all("no CPU or interpret path" in r["reason"] for r in skipped)
+
+
+def test_benchmark_script_picks_the_fastest_variant_per_tokens():
+    script = _script()
+    timing = lambda backend, T, variant, us, kernels: dict(
+        kind="timing", backend=backend, T=T, variant=variant, us=us, us_kernels=kernels
+    )
+    records = [
+        timing("triton-torch", 1, "split-256-w4", 5.0, 4.0),
+        timing("triton-torch", 1, "row-w8", 9.0, 3.5),
+        timing("triton", 1, "row-w8", 12.0, None),
+    ]
+    best = {r["backend"]: r for r in script.best_records(records)}
+    assert best["triton-torch"]["by_us"] == "split-256-w4" and best["triton-torch"]["by_us_kernels"] == "row-w8"
+    assert best["triton"]["by_us"] == "row-w8" and best["triton"]["by_us_kernels"] is None
+    assert best["triton"]["default"] == plan.default_variant(1, configs.HIDDEN)
+
+
+def test_spread_tokens_checks_a_sample_of_tokens():
+    """testing.spread_tokens (the GPU checks at large T): the first and last token among an even
+    spread, the arrays cut consistently, so check_result of the reference passes on the cut."""
+    from oproj_jax import reference
+
+    config = Config(2, 40, 1, groups=1, H=256, xmoe_replicas=1)
+    x = configs.make_inputs(config, seed=2)
+    result = reference.consumer(*(jnp.asarray(x[k]) for k in ARGS), **EPS, **config.options())
+    cut, inputs, got = testing.spread_tokens(config, x, tuple(np.asarray(r) for r in result), 8)
+    assert cut.T == 8 and inputs["mailbox"].shape == (2, 8, 256) and got[2].shape == (1, 8, 256)
+    np.testing.assert_array_equal(testing.bits(inputs["prefix"][[0, -1]]), testing.bits(x["prefix"][[0, -1]]))
+    testing.check_result(cut, inputs, got, **EPS)
+    assert testing.spread_tokens(config, x, result, 64)[0] is config
