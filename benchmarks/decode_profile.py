@@ -70,13 +70,15 @@ def main(argv=None) -> int:
     parser.add_argument("--loops", default="scan,unrolled")
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--mailbox", default="concat", choices=("concat", "update"), help="decode_step.MAILBOX")
     args = parser.parse_args(argv)
 
     import jax
 
     from oproj_jax.bench import decode_step as D
 
-    results = dict(label=args.label, xla_flags=os.environ.get("XLA_FLAGS", ""), device=str(jax.devices()[0]), runs=[])
+    D.MAILBOX = args.mailbox
+    results = dict(label=args.label, mailbox=args.mailbox, xla_flags=os.environ.get("XLA_FLAGS", ""), device=str(jax.devices()[0]), runs=[])
     for T in (int(t) for t in args.tokens.split(",")):
         weights, state = D.make_weights(args.layers, T), D.make_state(T)
         for loop in args.loops.split(","):

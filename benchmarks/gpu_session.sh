@@ -21,7 +21,8 @@ stages=${2:-checks}
 mkdir -p "$out"
 # never NVLS / multicast (banned on these machines); no XLA preallocation: the peer handler
 # allocates its mailboxes beside XLA's pool, and several processes share the GPUs
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
+# .dev/site: pure-Python packages the GPU image lacks (jax-triton), carried from a CPU machine
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/.dev/site XLA_PYTHON_CLIENT_PREALLOCATE=false NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
 gpus=$(nvidia-smi -L | wc -l)
 nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
 stage() {  # stage NAME SECONDS COMMAND...: bounded, logged, rc reported
@@ -51,22 +52,31 @@ if has record; then
   tail -n 5 "$out/record-pallas.txt"
 fi
 if has tp && [ "$gpus" -ge 2 ]; then
-  stage tp 240 python3 benchmarks/record.py --out-dir "$out" --tp 2 --tokens 1,8,64 --reps 15 --name tp2 \
-    --timeout 75
+  stage tp 270 python3 benchmarks/record.py --out-dir "$out" --tp 2 --tokens 1,8,64 --reps 15 --name tp2 \
+    --modes peer,psum --chain 4,68 --timeout 85
   tail -n 30 "$out/tp.txt"
 fi
 if has decode; then
-  configurations=("default:")
+  configurations=("default:" "update:")
   has decode-flags && configurations+=("no-cmdbuf:--xla_gpu_enable_command_buffer="
     "while:--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL")
   for cfg in "${configurations[@]}"; do
     label=${cfg%%:*}
+    mailbox=concat
+    [ "$label" = update ] && mailbox=update
     stage decode-$label 90 env CUDA_VISIBLE_DEVICES=0 XLA_FLAGS="${cfg#*:}" python3 benchmarks/decode_profile.py \
-      --label "$label" --out "$out/decode-$label.json" --tokens 1,64
+      --label "$label" --out "$out/decode-$label.json" --tokens 1,64 --backends cute --mailbox $mailbox
     grep -E "^T=" "$out/decode-$label.txt"
   done
+  stage decode-step 100 env CUDA_VISIBLE_DEVICES=0 python3 -m oproj_jax.bench --decode-step --backends cute,reference \
+    --tokens 1,64 --json "$out/decode-step.json"
+  grep -E "^decode|consumer" "$out/decode-step.txt" | tail -n 8
+fi
+if has debug; then  # a one-off diagnosis script, when present (not part of the project)
+  [ -x .dev/debug.sh ] && bash .dev/debug.sh "$out" &
 fi
 if has triton; then
   stage triton 240 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/triton_gpu.py --out "$out"
   tail -n 30 "$out/triton.txt"
 fi
+wait

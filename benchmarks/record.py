@@ -95,11 +95,13 @@ def main(argv=None) -> int:
     parser.add_argument("--name", default="record", help="file name suffix: <date>-<device>-<name>.json")
     parser.add_argument("--tp", type=int, default=0, help="time the TP step on this many GPUs instead")
     parser.add_argument("--modes", default=None, help="with --tp: only these modes, comma-separated")
+    parser.add_argument("--chain", default=None, help="with --tp: chain lengths K1,K2 (bench.tp --chain)")
     args = parser.parse_args(argv)
 
     if args.tp:
         module, common = "oproj_jax.bench.tp", ["--tp", str(args.tp), "--tokens", args.tokens, "--reps", str(args.reps)]
         common += ["--modes", args.modes] if args.modes else []
+        common += ["--chain", args.chain] if args.chain else []
         args.decode_tokens = ""
     else:
         module, common = (

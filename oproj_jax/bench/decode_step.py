@@ -4,7 +4,9 @@ One rank of a TP16 model, T tokens. Each layer:
 
   partial  = attn [T, H/R] @ w_o [H/R, H]                this rank's o-projection, bf16 [T, H]
   mailbox  = [partial, others]                           [R, T, H]: its slot plus the R-1 slots
-                                                         the peers delivered (stacked per-layer inputs)
+                                                         the peers delivered (stacked per-layer inputs;
+                                                         the partial materialized first, as a
+                                                         collective would: optimization_barrier)
   prefix, output = consumer(mailbox, prefix, blocks, norm, query, out_norm)
   moe      = silu(output @ w_up [H, F]) @ w_down [F, H]  a stand-in for the MoE (F = 1024)
   attn     = moe[:, :H/R]                                the next layer's attention output
@@ -30,6 +32,10 @@ from jax import lax
 from oproj_jax import api, configs
 
 R, H, NB, F = configs.TP, configs.HIDDEN, 8, 1024
+# How the stand-in mailbox gets this rank's slot: "concat" = [partial, others] (a new [R, T, H]
+# array each layer), "update" = the peers' slots come as a whole [R, T, H] per layer and slot 0
+# is overwritten (dynamic_update_slice: XLA copies the layer's slice, then writes the slot).
+MAILBOX = "concat"
 K = H // R  # this rank's slice of heads * head_dim
 EPS = 1e-6
 bf16, f32 = jnp.bfloat16, jnp.float32
@@ -45,7 +51,7 @@ def make_weights(layers: int, T: int, seed: int = 0) -> dict:
         normal = lambda key, shape, scale: (jax.random.normal(key, shape, f32) * scale).astype(bf16)
         return dict(
             w_o=normal(k[0], (layers, K, H), K**-0.5),
-            others=normal(k[1], (layers, R - 1, T, H), 1.0),
+            others=normal(k[1], (layers, R - 1 if MAILBOX == "concat" else R, T, H), 1.0),
             w_up=normal(k[2], (layers, H, F), H**-0.5),
             w_down=normal(k[3], (layers, F, H), F**-0.5),
             norm=(1 + normal(k[4], (layers, H), 0.1)).astype(bf16),
@@ -68,10 +74,18 @@ def make_state(T: int, seed: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
 def layer(backend: str | None, attn, prefix, blocks, w):
     """One layer (see the module docstring); backend None leaves the consumer out."""
     partial = jnp.dot(attn, w["w_o"], preferred_element_type=f32).astype(bf16)  # [T, H]
+    # In a TP step the partial leaves through a collective (or peer writes) before any slot is
+    # read, so it is materialized by its own GEMM. Without the barrier XLA fuses this GEMM into
+    # the stand-in mailbox's concatenation and runs it as a reduction inside that fusion: ~27
+    # (scan) to ~90 (unrolled) us per layer at T=1 on the H200, charged to the consumer.
+    partial = lax.optimization_barrier(partial)
     if backend is None:
         output = partial
     else:
-        mailbox = jnp.concatenate([partial[None], w["others"]])  # [R, T, H]
+        if MAILBOX == "concat":
+            mailbox = jnp.concatenate([partial[None], w["others"]])  # [R, T, H]
+        else:
+            mailbox = lax.dynamic_update_index_in_dim(w["others"], partial, 0, 0)  # [R, T, H]
         res = api.consumer(
             mailbox,
             prefix,

@@ -52,8 +52,14 @@ COMBOS = (
 )
 DEFAULT_TOKENS = (1, 8, 64)
 NB, GROUPS = 8, 4
-K1, K2 = 4, 20  # chain lengths: 16 steps between them (~100 us at T=1)
+K1, K2 = 4, 20  # chain lengths (--chain): 16 steps between them (~100 us at T=1)
 N_LISTS = 2  # input lists alternated between executions
+
+
+def set_chain(k1: int, k2: int) -> None:
+    """The chain lengths every later timing uses."""
+    global K1, K2
+    K1, K2 = k1, k2
 
 
 def log(message: str) -> None:
@@ -220,8 +226,21 @@ def main(argv=None) -> int:
         default=manifest.PROTOCOL_BUILD.tag,
         help="the cubin build mode='peer' launches (cute.manifest.PROTOCOL_BUILD; default %(default)s)",
     )
+    parser.add_argument(
+        "--chain",
+        default=f"{K1},{K2}",
+        help="chain lengths K1,K2 of the slope (default %(default)s); more steps between them average "
+        "out more of the host's jitter per execution",
+    )
     args = parser.parse_args(argv)
     manifest.PROTOCOL_BUILD = manifest.parse_build(args.protocol_build)  # read when the calls are traced
+    try:
+        k1, k2 = (int(k) for k in args.chain.split(","))
+    except ValueError:
+        parser.error(f"--chain: expected K1,K2, got {args.chain!r}")
+    if not 1 <= k1 < k2:
+        parser.error(f"--chain: expected 1 <= K1 < K2, got {args.chain!r}")
+    set_chain(k1, k2)
     try:
         tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
     except ValueError:

@@ -2,8 +2,8 @@
 
 One pass over memory per token: the kernel streams the R mailbox rows, the old prefix and the
 NB blocks of a token through a ring of shared-memory slots (TMA, a row viewed as [H/256, 256]),
-sums the ranks in f32 in the original kernel's group order (docs/spec.md), writes the bf16 prefix back in place (the
-prefix is a mutable Ref, so the call aliases it: no copy in decode loops), folds the sources
+sums the ranks in f32 in the original kernel's group order (docs/spec.md), writes the bf16 prefix (a new buffer: an
+aliased mutable Ref was lost inside lax.scan on the GPU), folds the sources
 into an online softmax (running max, denominator and mix, all f32), and stores the RMS-normed
 output and its -0-free replicas. Grid (T,): one CTA (one warpgroup) per token.
 
@@ -126,10 +126,10 @@ def _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, reps, ring, split, b
     layout = _row_layout(C)
 
     def body(mailbox, prefix, blocks, norm, query, out_norm, *refs):
-        # mailbox [R, T, split, C, 256], prefix [T, split, C, 256] (aliased Ref),
+        # mailbox [R, T, split, C, 256], prefix [T, split, C, 256] (the old one, read),
         # blocks [T, NB, split, C, 256], norm/query/out_norm [split, C, 256];
-        # outputs: output [T, split, C, 256], xmoe [reps, T, split, C, 256]
-        output, *refs = refs
+        # outputs: new_prefix, output [T, split, C, 256], xmoe [reps, T, split, C, 256]
+        new_prefix, output, *refs = refs
         xmoe = refs.pop(0) if reps else None
         if split == 1:
             slots, bars, wts, wbar, pbuf, obuf = refs
@@ -219,7 +219,7 @@ def _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, reps, ring, split, b
             p16 = attn.astype(bf16)  # ROUND: the prefix is stored in bf16
             pbuf[...] = p16
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(pbuf, prefix.at[t, c])
+            plgpu.copy_smem_to_gmem(pbuf, new_prefix.at[t, c])
 
         with jax.named_scope("weights"):
             for j in range(3 if split == 1 else 2):
@@ -262,11 +262,14 @@ def _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, reps, ring, split, b
                     xs = [s() for s in sources]
                 sums = combine([pair for x in xs for pair in ((x, w), (x, x))], 0)
             with jax.named_scope("softmax_mix"):
-                logits = [sums[2 * j] * lax.rsqrt(sums[2 * j + 1] / H + eps) for j in range(NB + 1)]
-                m = functools.reduce(jnp.maximum, logits)
-                e = [jnp.exp(l - m) for l in logits]
-                inv_den = 1.0 / functools.reduce(jnp.add, e)
-                y = functools.reduce(jnp.add, [s() * (ej * inv_den) for s, ej in zip(sources, e)])
+                if NB:
+                    logits = [sums[2 * j] * lax.rsqrt(sums[2 * j + 1] / H + eps) for j in range(NB + 1)]
+                    m = functools.reduce(jnp.maximum, logits)
+                    e = [jnp.exp(l - m) for l in logits]
+                    inv_den = 1.0 / functools.reduce(jnp.add, e)
+                    y = functools.reduce(jnp.add, [s() * (ej * inv_den) for s, ej in zip(sources, e)])
+                else:  # one source: its weight is exactly 1 (docs/spec.md), also where its logit is not finite
+                    y = p
             with jax.named_scope("exchange_yy"):
                 (yy,) = combine([(y, y)], 1)
         with jax.named_scope("output"):
@@ -446,7 +449,10 @@ def consumer_with(
         )
     body, scratch = _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, xmoe_replicas, ring, split, batch=batch)
     row = (split, C, LANES)  # one row of H, as the CTAs of a token see it
-    out_type = [jax.ShapeDtypeStruct((T, *row), bf16)]
+    # The new prefix is an output of its own, not the old prefix updated through a mutable Ref:
+    # a Ref aliased into the Mosaic call inside a lax.scan body came back unwritten (zeros) on
+    # the H200 with jax 0.11.2. Same bytes moved; XLA may still reuse a donated prefix's buffer.
+    out_type = [jax.ShapeDtypeStruct((T, *row), bf16), jax.ShapeDtypeStruct((T, *row), bf16)]
     if xmoe_replicas:
         out_type.append(jax.ShapeDtypeStruct((xmoe_replicas, T, *row), bf16))
     cluster = dict(cluster=(split,), cluster_names=("c",)) if split > 1 else {}
@@ -463,16 +469,15 @@ def consumer_with(
         interpret=plgpu.InterpretGPUParams(uninitialized_memory="nan") if interpret else None,  # poisoned outputs
         **cluster,
     )
-    prefix_ref = jax.new_ref(prefix.reshape(T, *row))  # written in place: the call aliases it
     outs = kernel(
         mailbox.reshape(R, T, *row),
-        prefix_ref,
+        prefix.reshape(T, *row),
         blocks.reshape(T, NB, *row),
         norm.reshape(row),
         query.reshape(row),
         out_norm.reshape(row),
     )
-    new_prefix = jax.freeze(prefix_ref).reshape(T, H)
-    output = outs[0].reshape(T, H)
-    xmoe = outs[1].reshape(xmoe_replicas, T, H) if xmoe_replicas else None
+    new_prefix = outs[0].reshape(T, H)
+    output = outs[1].reshape(T, H)
+    xmoe = outs[2].reshape(xmoe_replicas, T, H) if xmoe_replicas else None
     return ConsumerResult(new_prefix, output, xmoe)
