@@ -2,11 +2,11 @@
 
 Every backend module exposes the same three names:
 
-  consumer(mailbox, prefix, blocks, norm, query, out_norm, *,
-           eps, out_eps, has_delta, groups, xmoe_replicas) -> ConsumerResult
+  consumer(mailbox, prefix, blocks, norm, query, out_norm, **options) -> ConsumerResult
   unavailable_reason(platform: str) -> str | None    # None: it runs on that platform
   unsupported_reason(dims: Dims, **options) -> str | None  # None: it handles that shape
 
+`options` are the five of oproj_jax.options, every one given, as plain Python scalars.
 `consumer` here checks the arguments once, then calls the chosen backend with arrays that
 are known to be well formed. Naming a backend that cannot run raises; nothing falls back.
 """
@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from oproj_jax.options import DEFAULTS, MAX_GROUPS, Options  # noqa: F401 (MAX_GROUPS: re-exported)
+from oproj_jax.options import DEFAULTS, MAX_GROUPS, Options, takes_options  # noqa: F401 (MAX_GROUPS: re-exported)
 
 MAX_BLOCKS = 8
 
@@ -68,10 +68,9 @@ def check_array(name: str, x: Any, ndim: int, layout: str) -> tuple[int, ...]:
     return tuple(int(d) for d in x.shape)
 
 
-def check_arguments(
-    mailbox, prefix, blocks, norm, query, out_norm, *, eps, out_eps, has_delta, groups, xmoe_replicas
-) -> Dims:
-    """Checks dtypes, ranks, shapes and options; returns the dimensions. Raises TypeError/ValueError."""
+def check_arguments(mailbox, prefix, blocks, norm, query, out_norm, **options) -> Dims:
+    """Checks dtypes, ranks, shapes, then the options (Options.from_kwargs: the missing ones at
+    their defaults); returns the dimensions. Raises TypeError/ValueError."""
     R, T, H = check_array("mailbox", mailbox, 3, "[R, T, H]")
     if T < 1:  # rejected, not an empty result: every kernel's grid is T; skip the call for an empty batch
         raise ValueError(
@@ -92,7 +91,7 @@ def check_arguments(
         (wH,) = check_array(name, w, 1, "[H]")
         if wH != H:
             raise ValueError(f"{name}: expected shape [H] = ({H},) (from mailbox), got ({wH},)")
-    Options(eps=eps, out_eps=out_eps, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas)
+    Options.from_kwargs(options)
     return Dims(R, T, NB, H)
 
 
@@ -244,30 +243,23 @@ def resolve_backend(backend: str, platform: str, dims: Dims, *, devices=None, **
     return name
 
 
-def explain(
-    mailbox,
-    prefix,
-    blocks,
-    norm,
-    query,
-    out_norm,
-    *,
-    eps: float = DEFAULTS.eps,
-    out_eps: float = DEFAULTS.out_eps,
-    has_delta: bool = DEFAULTS.has_delta,
-    groups: int = DEFAULTS.groups,
-    xmoe_replicas: int = DEFAULTS.xmoe_replicas,
-    backend: str = "auto",
-) -> str:
+def _checked_call(arrays: tuple, backend, options: dict) -> tuple[Dims, dict, str, list | None]:
+    """What consumer and explain check and find before choosing: the dimensions, the options as
+    plain Python scalars (static for every backend), and the platform and devices of the arrays."""
+    dims = check_arguments(*arrays, **options)
+    options = Options.from_kwargs(options).asdict()
+    if not isinstance(backend, str):
+        raise TypeError(f"backend: expected a str, got {type(backend).__name__}")
+    return (dims, options, *_placement(*arrays[:3]))
+
+
+@takes_options()
+def explain(mailbox, prefix, blocks, norm, query, out_norm, *, backend: str = "auto", **options) -> str:
     """Which backend `consumer(...)` with these arguments runs, and why each other one does not:
     a few lines of text, nothing traced or run. Takes what consumer takes (arrays, or
     jax.ShapeDtypeStruct for the default device); raises what consumer raises for bad arguments,
     but reports (does not raise) a named backend that cannot run."""
-    options = dict(eps=eps, out_eps=out_eps, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas)
-    dims = check_arguments(mailbox, prefix, blocks, norm, query, out_norm, **options)
-    if not isinstance(backend, str):
-        raise TypeError(f"backend: expected a str, got {type(backend).__name__}")
-    platform, devices = _placement(mailbox, prefix, blocks)
+    dims, options, platform, devices = _checked_call((mailbox, prefix, blocks, norm, query, out_norm), backend, options)
     shown = devices if devices is not None else _platform_devices(platform)
     name, reasons = choose_backend(backend, platform, dims, devices=devices, **options)
     capabilities = sorted({str(getattr(d, "compute_capability", "-")) for d in shown})
@@ -365,14 +357,11 @@ def consumer(
     backend computes the forward, the backward is always the reference's VJP (a custom_vjp;
     the op is smooth jnp math). Forward-mode (jax.jvp, jacfwd) works on the reference only.
     """
+    arrays = (mailbox, prefix, blocks, norm, query, out_norm)
     options = dict(eps=eps, out_eps=out_eps, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas)
-    dims = check_arguments(mailbox, prefix, blocks, norm, query, out_norm, **options)
-    options = Options(**options).asdict()  # plain Python scalars: static for every backend
-    if not isinstance(backend, str):
-        raise TypeError(f"backend: expected a str, got {type(backend).__name__}")
-    platform, devices = _placement(mailbox, prefix, blocks)
+    dims, options, platform, devices = _checked_call(arrays, backend, options)
     name = resolve_backend(backend, platform, dims, devices=devices, **options)
-    return _differentiable(name, tuple(options.items()))(mailbox, prefix, blocks, norm, query, out_norm)
+    return _differentiable(name, tuple(options.items()))(*arrays)
 
 
 @functools.lru_cache(maxsize=None)

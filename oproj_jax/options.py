@@ -5,7 +5,9 @@
 An `Options` is checked when it is made (TypeError or ValueError naming the option) and holds
 plain Python scalars (a float eps, a bool has_delta, int groups): static for every backend and
 hashable, so it can key a cache of compiled layouts. `DEFAULTS` is the default instance; every
-signature that spells the options out takes its defaults from it (docs/spec.md, "Options").
+signature that spells the options out takes its defaults from it (docs/spec.md, "Options"):
+oproj_jax.consumer writes them out, the other public entry points take `**options` and show
+them in their signature through `takes_options`.
 
 No JAX and no torch here: oproj_jax.torch_ref uses it too.
 """
@@ -13,9 +15,10 @@ No JAX and no torch here: oproj_jax.torch_ref uses it too.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -70,13 +73,13 @@ class Options:
             object.__setattr__(self, name, value)
 
     @classmethod
-    def from_kwargs(cls, options: Mapping[str, Any]) -> Options:
-        """Options from keyword arguments, the missing ones at their defaults; an unknown name
-        raises TypeError."""
+    def from_kwargs(cls, options: Mapping[str, Any], defaults: Options | None = None) -> Options:
+        """Options from keyword arguments, the missing ones taken from `defaults` (None: the
+        dataclass defaults); an unknown name raises TypeError."""
         unknown = sorted(set(options) - set(NAMES))
         if unknown:
             raise TypeError(f"unexpected option(s) {unknown}; expected some of {sorted(NAMES)}")
-        return cls(**options)
+        return dataclasses.replace(defaults, **options) if defaults is not None else cls(**options)
 
     def asdict(self) -> dict[str, Any]:
         """The options as keyword arguments (of oproj_jax.consumer or any backend's consumer)."""
@@ -85,3 +88,30 @@ class Options:
 
 NAMES = tuple(field.name for field in dataclasses.fields(Options))
 DEFAULTS = Options()
+
+
+def takes_options(defaults: Options = DEFAULTS, *, passes_on: Callable | None = None):
+    """Decorator for a public function that takes the options as `**options`, so that help() and
+    inspect.signature show them as keyword-only parameters with `defaults`' values, placed after
+    the function's required keyword-only parameters. With `passes_on`, the function hands its
+    keywords on to that function: its keyword-only parameters are shown too. The call itself is
+    unchanged: what receives the options applies `defaults` (Options.from_kwargs) and so rejects
+    an unknown name.
+    """
+
+    def decorate(function):
+        signature = inspect.signature(function)
+        own = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
+        if passes_on is not None:
+            own += [p for p in inspect.signature(passes_on).parameters.values() if p.kind is p.KEYWORD_ONLY]
+        spelled = [
+            inspect.Parameter(
+                f.name, inspect.Parameter.KEYWORD_ONLY, default=getattr(defaults, f.name), annotation=f.type
+            )
+            for f in dataclasses.fields(Options)
+        ]
+        at = next((i for i, p in enumerate(own) if p.kind is p.KEYWORD_ONLY and p.default is not p.empty), len(own))
+        function.__signature__ = signature.replace(parameters=[*own[:at], *spelled, *own[at:]])
+        return function
+
+    return decorate

@@ -46,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from oproj_jax import api
 from oproj_jax.cute import peer
-from oproj_jax.options import Options
+from oproj_jax.options import Options, takes_options
 from oproj_jax.reference import rank_sum, without_negative_zero
 
 MODES = ("oneshot", "twoshot", "psum", "peer")
@@ -110,72 +110,14 @@ def _peer_plan(mesh, axis_name, backend, opts: Options, dims: api.Dims, options)
     reason = peer.unavailable_reason(mesh.devices.flat[0].platform)
     if reason:
         raise ValueError(f"mode: mode='peer' needs backend 'cute' on CUDA GPUs; it cannot run on this mesh: {reason}")
-    reason = peer.unsupported_reason(
-        dims, has_delta=opts.has_delta, groups=opts.groups, xmoe_replicas=opts.xmoe_replicas
-    )
+    reason = peer.unsupported_reason(dims, **opts.asdict())
     if reason:
         raise ValueError(f"mode: mode='peer' cannot run this call: {reason}")
     return peer.group_table(mesh, axis_name), options
 
 
-def tp_consumer(
-    partial,  # [R, T, H] bf16, sharded on R over `axis_name`: rank r holds partial[r] ([1, T, H])
-    prefix,  # [T, H] bf16, replicated
-    blocks,  # [T, NB, H] bf16, replicated
-    norm,  # [H] bf16, replicated
-    query,  # [H] bf16, replicated
-    out_norm,  # [H] bf16, replicated
-    *,
-    mesh: Mesh,
-    axis_name: str = "tp",
-    mode: str = "oneshot",
-    backend: str = "auto",
-    peer_options: peer.PeerOptions | None = None,  # mode="peer" only
-    **options,  # eps, out_eps, has_delta, groups, xmoe_replicas: as api.consumer
-) -> api.ConsumerResult | peer.PeerResult:
-    """The consumer over a TP group: each rank holds its partial o-projection; see MODES above.
-
-    Returns a ConsumerResult of replicated arrays (prefix [T, H], output [T, H], xmoe
-    [reps, T, H] or None); for "oneshot", "twoshot" and "peer" every rank holds the same bits.
-    mode="peer" returns a PeerResult (the same fields plus `status`), checked here when the
-    call is eager. Works eagerly and under jit / scan (donate the prefix at the caller's jit).
-    """
-    ranks = _check_layout(mesh, axis_name, mode, backend, peer_options)
-    opts = Options.from_kwargs(options)
-    dims = api.check_arguments(partial, prefix, blocks, norm, query, out_norm, **opts.asdict())
-    _check_ranks(dims.R, ranks, mode, dims.H, "partial")
-    fn = _plan(mesh, axis_name, mode, backend, opts, dims, False, peer_options)
-    result = fn(partial, prefix, norm, query, out_norm, *(() if dims.NB == 0 else (blocks,)))
-    return _checked(result, mode, partial)
-
-
-def tp_oproj_consumer(
-    attn,  # [T, K] bf16, K = heads*head_dim, sharded on K over `axis_name`: rank r holds its heads [T, K/R]
-    w_o,  # [K, H] bf16, sharded on K over `axis_name`: rank r holds the matching rows [K/R, H]
-    prefix,  # [T, H] bf16, replicated
-    blocks,  # [T, NB, H] bf16, replicated
-    norm,  # [H] bf16, replicated
-    query,  # [H] bf16, replicated
-    out_norm,  # [H] bf16, replicated
-    *,
-    mesh: Mesh,
-    axis_name: str = "tp",
-    mode: str = "oneshot",
-    backend: str = "auto",
-    peer_options: peer.PeerOptions | None = None,  # mode="peer" only
-    **options,  # eps, out_eps, has_delta, groups, xmoe_replicas: as api.consumer
-) -> api.ConsumerResult | peer.PeerResult:
-    """The fused TP producer + consumer, in one shard_map.
-
-    Layout: `attn` [T, heads*head_dim] is split on its last axis and `w_o` [heads*head_dim, H]
-    on its first, in R equal contiguous pieces, rank r taking piece r of each (its heads and
-    their rows of W_o). Rank r computes its partial o-projection
-    `partial_r = bf16(attn_r @ w_o_r)` ([T, H], f32 accumulation, one bf16 rounding), publishes
-    it (-0.0 as +0.0) and the partials are reduced and consumed as in `tp_consumer` with the
-    same `mode`. Returns the same replicated ConsumerResult (PeerResult for mode="peer").
-    """
-    ranks = _check_layout(mesh, axis_name, mode, backend, peer_options)
-    opts = Options.from_kwargs(options)
+def _fused_partial(attn, w_o, ranks: int) -> jax.ShapeDtypeStruct:
+    """Checks the fused producer's inputs; returns the partial [R, T, H] it will publish."""
     T, K = api.check_array("attn", attn, 2, "[T, heads*head_dim]")
     wK, H = api.check_array("w_o", w_o, 2, "[heads*head_dim, H]")
     if wK != K:
@@ -184,12 +126,80 @@ def tp_oproj_consumer(
         )
     if K % ranks:
         raise ValueError(f"attn: heads*head_dim is split over {ranks} ranks; expected a multiple of {ranks}, got {K}")
-    partial = jax.ShapeDtypeStruct((ranks, T, H), bf16)  # what the producer will publish
+    return jax.ShapeDtypeStruct((ranks, T, H), bf16)
+
+
+def _tp_call(
+    producer: tuple,  # (partial,), or (attn, w_o): the fused producer's inputs
+    prefix,
+    blocks,
+    norm,
+    query,
+    out_norm,
+    *,
+    mesh: Mesh,
+    axis_name: str = "tp",
+    mode: str = "oneshot",
+    backend: str = "auto",
+    peer_options: peer.PeerOptions | None = None,  # mode="peer" only
+    **options,
+) -> api.ConsumerResult | peer.PeerResult:
+    """tp_consumer and tp_oproj_consumer: the checks, the layout (cached) and the call."""
+    fused = len(producer) == 2
+    ranks = _check_layout(mesh, axis_name, mode, backend, peer_options)
+    opts = Options.from_kwargs(options)
+    partial = _fused_partial(*producer, ranks) if fused else producer[0]
     dims = api.check_arguments(partial, prefix, blocks, norm, query, out_norm, **opts.asdict())
-    _check_ranks(dims.R, ranks, mode, H, "w_o")
-    fn = _plan(mesh, axis_name, mode, backend, opts, dims, True, peer_options)
-    result = fn(attn, w_o, prefix, norm, query, out_norm, *(() if dims.NB == 0 else (blocks,)))
-    return _checked(result, mode, attn)
+    _check_ranks(dims.R, ranks, mode, dims.H, "w_o" if fused else "partial")
+    fn = _plan(mesh, axis_name, mode, backend, opts, dims, fused, peer_options)
+    result = fn(*producer, prefix, norm, query, out_norm, *(() if dims.NB == 0 else (blocks,)))
+    return _checked(result, mode, producer[0])
+
+
+@takes_options(passes_on=_tp_call)
+def tp_consumer(
+    partial,  # [R, T, H] bf16, sharded on R over `axis_name`: rank r holds partial[r] ([1, T, H])
+    prefix,  # [T, H] bf16, replicated
+    blocks,  # [T, NB, H] bf16, replicated
+    norm,  # [H] bf16, replicated
+    query,  # [H] bf16, replicated
+    out_norm,  # [H] bf16, replicated
+    **keywords,
+) -> api.ConsumerResult | peer.PeerResult:
+    """The consumer over a TP group: each rank holds its partial o-projection; see MODES above.
+    Keywords: the layout (`mesh`, `axis_name`, `mode`, `backend`; `peer_options` for mode="peer"
+    only) and the options, as api.consumer.
+
+    Returns a ConsumerResult of replicated arrays (prefix [T, H], output [T, H], xmoe
+    [reps, T, H] or None); for "oneshot", "twoshot" and "peer" every rank holds the same bits.
+    mode="peer" returns a PeerResult (the same fields plus `status`), checked here when the
+    call is eager. Works eagerly and under jit / scan (donate the prefix at the caller's jit).
+    """
+    return _tp_call((partial,), prefix, blocks, norm, query, out_norm, **keywords)
+
+
+@takes_options(passes_on=_tp_call)
+def tp_oproj_consumer(
+    attn,  # [T, K] bf16, K = heads*head_dim, sharded on K over `axis_name`: rank r holds its heads [T, K/R]
+    w_o,  # [K, H] bf16, sharded on K over `axis_name`: rank r holds the matching rows [K/R, H]
+    prefix,
+    blocks,
+    norm,
+    query,
+    out_norm,
+    **keywords,
+) -> api.ConsumerResult | peer.PeerResult:
+    """The fused TP producer + consumer, in one shard_map. The other arrays (replicated) and the
+    keywords are tp_consumer's.
+
+    Layout: `attn` [T, heads*head_dim] is split on its last axis and `w_o` [heads*head_dim, H]
+    on its first, in R equal contiguous pieces, rank r taking piece r of each (its heads and
+    their rows of W_o). Rank r computes its partial o-projection
+    `partial_r = bf16(attn_r @ w_o_r)` ([T, H], f32 accumulation, one bf16 rounding), publishes
+    it (-0.0 as +0.0) and the partials are reduced and consumed as in `tp_consumer` with the
+    same `mode`. Returns the same replicated ConsumerResult (PeerResult for mode="peer").
+    """
+    return _tp_call((attn, w_o), prefix, blocks, norm, query, out_norm, **keywords)
 
 
 def _checked(result, mode: str, first_input):

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from oproj_jax.options import DEFAULTS, Options
+from oproj_jax.options import Options, takes_options
 
 MAX_BLOCKS = 8
 
@@ -100,24 +100,13 @@ def _ordered_rank_sum(slots, groups: int):  # R x [T, H] f32 -> [T, H] f32
     return result
 
 
-def consumer(
-    mailbox,  # [R, T, H] bf16 torch.Tensor: slot r holds rank r's partial o-projection
-    prefix,  # [T, H] bf16: the running partial-block residual
-    blocks,  # [T, NB, H] bf16: completed blocks, 0 <= NB <= 8
-    norm,  # [H] bf16: AttnRes key RMSNorm weight
-    query,  # [H] bf16: AttnRes pseudo-query
-    out_norm,  # [H] bf16: RMSNorm weight of the next sub-layer's input
-    *,
-    eps: float = DEFAULTS.eps,
-    out_eps: float = DEFAULTS.out_eps,
-    has_delta: bool = DEFAULTS.has_delta,
-    groups: int = DEFAULTS.groups,
-    xmoe_replicas: int = DEFAULTS.xmoe_replicas,
-) -> TorchResult:
+@takes_options()
+def consumer(mailbox, prefix, blocks, norm, query, out_norm, **options) -> TorchResult:
+    """The arguments and options of oproj_jax.consumer, as bf16 torch.Tensors on one device."""
     torch = _torch()
     check_tensors(torch, mailbox, prefix, blocks, norm, query, out_norm)
     # The options' checks and their messages are oproj_jax.consumer's (oproj_jax.options).
-    opts = Options(eps=eps, out_eps=out_eps, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas)
+    opts = Options.from_kwargs(options)
     f32, bf16 = torch.float32, torch.bfloat16
     H = mailbox.shape[-1]
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -23,12 +25,34 @@ def test_defaults():
     assert list(DEFAULTS.asdict()) == list(oproj_jax.consumer.__kwdefaults__)[:5]  # the consumer's keyword order
 
 
-@pytest.mark.parametrize(
-    "fn", [oproj_jax.consumer, torch_ref.consumer, cute_backend.consume], ids=["api", "torch_ref", "cute.consume"]
-)
+PUBLIC = {
+    "api": oproj_jax.consumer,
+    "explain": oproj_jax.explain,
+    "torch_ref": torch_ref.consumer,
+    "cute.consume": cute_backend.consume,
+    "tp_consumer": oproj_jax.tp_consumer,
+    "tp_oproj_consumer": oproj_jax.tp_oproj_consumer,
+}
+
+
+@pytest.mark.parametrize("fn", PUBLIC.values(), ids=PUBLIC.keys())
 def test_signatures_take_the_defaults(fn):
     params = inspect.signature(fn).parameters
     assert {name: params[name].default for name in DEFAULT_VALUES} == DEFAULT_VALUES
+    assert all(params[name].kind is inspect.Parameter.KEYWORD_ONLY for name in DEFAULT_VALUES)
+
+
+def test_twoshot_signature_orders_one_slot():
+    """consume_twoshot's gather row is one slot: its `groups` defaults to 1, the rest to DEFAULTS."""
+    params = inspect.signature(cute_backend.consume_twoshot).parameters
+    assert {name: params[name].default for name in DEFAULT_VALUES} == dict(DEFAULT_VALUES, groups=1)
+    assert list(params)[7:9] == ["me", "eps"]  # the required keyword first
+
+
+def test_unknown_option_is_refused_by_name():
+    arrays = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((2, 1, 16), (1, 16), (1, 0, 16), (16,), (16,), (16,))]
+    with pytest.raises(TypeError, match=r"unexpected option\(s\) \['group'\]"):
+        oproj_jax.explain(*arrays, group=1)
 
 
 def test_plain_scalars_and_hashable():

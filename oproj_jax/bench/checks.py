@@ -28,7 +28,7 @@ import numpy as np
 
 from oproj_jax import api, testing
 from oproj_jax.bench.inputs import WEIGHTS, HostCase
-from oproj_jax.bench.timing import EPS
+from oproj_jax.bench.timing import EPS, consumer_options
 
 POISON_BITS = 0xFFFF  # a NaN; as a 32-bit word 0xFFFFFFFF, never the mailbox sentinel
 ARGS = ("mailbox", "prefix", "blocks", *WEIGHTS)
@@ -66,8 +66,7 @@ class Checker:
     def check(self, backend: str, case: HostCase, reference_prefix: np.ndarray | None) -> tuple[dict, np.ndarray]:
         """One backend on one case: (record, the backend's prefix as numpy bf16)."""
         config = case.config
-        options = dict(eps=EPS, out_eps=EPS, **config.options())
-        fn = jax.jit(functools.partial(api.consumer, backend=backend, **options), donate_argnums=(1,))
+        fn = jax.jit(functools.partial(api.consumer, backend=backend, **consumer_options(config)), donate_argnums=(1,))
         real = {name: jnp.asarray(case.inputs[name]) for name in ARGS}
         poison = {name: _poisoned(case.inputs[name]) for name in ARGS}
         with _quiet_donation():

@@ -102,16 +102,6 @@ def header(seed: int, status: dict[str, str | None], **extra) -> dict:
     )
 
 
-def _options(config: configs.Config) -> dict:
-    return dict(
-        eps=bench_timing.EPS,
-        out_eps=bench_timing.EPS,
-        has_delta=config.has_delta,
-        groups=config.groups,
-        xmoe_replicas=config.xmoe_replicas,
-    )
-
-
 def _dims(config: configs.Config) -> api.Dims:
     return api.Dims(1 if config.twoshot else config.R, config.T, config.NB, config.H)
 
@@ -134,7 +124,7 @@ def run_checks(backends: list[str], config_list, cases: bench_inputs.HostCases) 
         case = cases.get(config)
         reference_prefix = None
         for name in names:
-            reason = bench_backends.unsupported_reason(name, _dims(config), _options(config))
+            reason = bench_backends.unsupported_reason(name, _dims(config), bench_timing.consumer_options(config))
             if reason:
                 records.append(_skip(name, config.name, reason))
                 continue
@@ -197,11 +187,7 @@ def _timing_record(name: str, config: configs.Config, t) -> dict:
     return dict(
         kind="timing",
         backend=name,
-        T=config.T,
-        R=config.R,
-        NB=config.NB,
-        groups=config.groups,
-        has_delta=config.has_delta,
+        **bench_timing.shape_fields(config),
         config=config.name,
         us=t.us,
         device=device_name(),
@@ -268,7 +254,7 @@ def run_timings(
             + (" (L2-WARM)" if l2_warm else "")
         )
         for name in jax_names:
-            reason = bench_backends.unsupported_reason(name, _dims(config), _options(config))
+            reason = bench_backends.unsupported_reason(name, _dims(config), bench_timing.consumer_options(config))
             if reason:
                 records.append(_skip(name, f"timing {config.name}", reason))
                 continue
@@ -317,7 +303,7 @@ def run_torch_timings(
         for config in config_list:
             k1, k2 = bench_timing.chain_lengths(config, platform)
             for name in names:
-                reason = bench_backends.unsupported_reason(name, _dims(config), _options(config))
+                reason = bench_backends.unsupported_reason(name, _dims(config), bench_timing.consumer_options(config))
                 if reason:
                     records.append(_skip(name, f"timing {config.name}", reason))
                     continue

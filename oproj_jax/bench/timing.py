@@ -82,10 +82,17 @@ def chain_lengths(config: configs.Config, platform: str) -> tuple[int, int]:
 def consumer_step(backend: str, config: configs.Config):
     """One consumer call of `backend` as a jitted function of the six arrays (lowered once,
     reused by every call site of a chain)."""
-    options = dict(
-        eps=EPS, out_eps=EPS, has_delta=config.has_delta, groups=config.groups, xmoe_replicas=config.xmoe_replicas
-    )
-    return jax.jit(functools.partial(api.consumer, backend=backend, **options))
+    return jax.jit(functools.partial(api.consumer, backend=backend, **consumer_options(config)))
+
+
+def consumer_options(config: configs.Config) -> dict:
+    """The consumer's options in every benchmark call of `config`."""
+    return dict(eps=EPS, out_eps=EPS, **config.options())
+
+
+def shape_fields(config: configs.Config) -> dict:
+    """The fields of a timing record that name its shape (bench/report.py, "timing")."""
+    return dict(T=config.T, R=config.R, NB=config.NB, groups=config.groups, has_delta=config.has_delta)
 
 
 def consumer_chain(step, k: int, name: str):

@@ -17,7 +17,7 @@ import statistics
 import numpy as np
 
 from oproj_jax.bench import inputs as bench_inputs
-from oproj_jax.bench.timing import EPS, Timing, mad
+from oproj_jax.bench.timing import EPS, Timing, consumer_options, mad
 
 
 def _to_cuda(torch, x):  # numpy bf16 -> torch bf16 on the GPU
@@ -112,7 +112,7 @@ def time_torch(case: bench_inputs.HostCase, k1: int, k2: int, reps: int, *, l2_b
 def _time_entry(torch, consumer, case, k1: int, k2: int, reps: int, *, l2_bytes: int, profile: bool, what: str):
     """graph_timing of chains of `consumer(mailbox, prefix, blocks, *weights, **options)` calls
     (the prefix threaded through)."""
-    options = _options(case.config)
+    options = consumer_options(case.config)
     base, weights, lists = _device_lists(torch, case, k2, l2_bytes)
 
     def chain(k, mailboxes, blocks, prefix):
@@ -144,7 +144,7 @@ def time_triton_torch(
     consumer = functools.partial(torch_launch.consumer, variant=variant)
     base, weights = _device_base(torch, case)
     prefix = base["prefix"].clone()
-    _, output, _ = consumer(base["mailbox"], prefix, base["blocks"], *weights, **_options(case.config))
+    _, output, _ = consumer(base["mailbox"], prefix, base["blocks"], *weights, **consumer_options(case.config))
     err = _check_against_torch_ref(torch, "triton-torch", case.config, base, weights, prefix, output)
     del base, weights, prefix, output
     chosen = plan.choose(variant, case.config.T, case.config.H).name
@@ -155,19 +155,13 @@ def time_triton_torch(
     return timing
 
 
-def _options(config) -> dict:
-    return dict(
-        eps=EPS, out_eps=EPS, has_delta=config.has_delta, groups=config.groups, xmoe_replicas=config.xmoe_replicas
-    )
-
-
 def _check_against_torch_ref(torch, name: str, config, base: dict, weights, prefix, output) -> float:
     """One launch's (prefix, output) on the base inputs against torch_ref: prefix bits equal,
     output within the oracle's relative L2; raises RuntimeError, else returns the rel L2."""
     from oproj_jax import testing, torch_ref
 
     want_prefix, want_output, _ = torch_ref.consumer(
-        base["mailbox"], base["prefix"], base["blocks"], *weights, **dict(_options(config), xmoe_replicas=0)
+        base["mailbox"], base["prefix"], base["blocks"], *weights, **dict(consumer_options(config), xmoe_replicas=0)
     )
     torch.cuda.synchronize()
     if not torch.equal(prefix.view(torch.int16), want_prefix.view(torch.int16)):
@@ -191,14 +185,7 @@ def time_cute_graph(
     config = case.config
     if config.twoshot:
         raise ValueError("cute-graph times the oneshot kernel only")
-    key = backend.kernel_key(
-        config.R,
-        config.NB,
-        has_delta=config.has_delta,
-        groups=config.groups,
-        xmoe_replicas=config.xmoe_replicas,
-        twoshot=False,
-    )
+    key = backend.kernel_key(config.R, config.NB, twoshot=False, **config.options())
     T, H, reps_x = config.T, config.H, config.xmoe_replicas
     launch = driver_launch.torch_launcher(backend._kernel(key, T, ready=True))
     base, weights, lists = _device_lists(torch, case, k2, l2_bytes)

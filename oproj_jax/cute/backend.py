@@ -28,6 +28,7 @@ The host cannot see status before the call's stream has run: read it when you sy
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, NamedTuple
 
@@ -38,7 +39,7 @@ import numpy as np
 from oproj_jax.cute import cache, ffi
 from oproj_jax.api import ConsumerResult, Dims, check_arguments
 from oproj_jax.cute import manifest as cute_manifest
-from oproj_jax.options import DEFAULTS
+from oproj_jax.options import DEFAULTS, Options, takes_options
 from oproj_jax.reference import without_negative_zero
 
 HIDDEN = 7168  # 7 CTAs x 128 threads x 8 elements: the only hidden size the cubins are built for
@@ -75,10 +76,13 @@ class CuteTwoshotResult(NamedTuple):
 # ---- manifest ------------------------------------------------------------------------------
 
 
-def kernel_key(R: int, NB: int, *, has_delta: bool, groups: int, xmoe_replicas: int, twoshot: bool) -> dict:
-    """The manifest key of one cubin variant (cute/ABI.md), `groups` replaced by the effective
-    count (manifest.effective_groups): options with the same summation order share a cubin."""
-    return cute_manifest.make_key(R, NB, bool(has_delta), groups, xmoe_replicas, bool(twoshot))
+def kernel_key(R: int, NB: int, *, twoshot: bool, **options) -> dict:
+    """The manifest key of one cubin variant (cute/ABI.md) for the consumer's `options` (the
+    missing ones at their defaults; eps and out_eps are kernel arguments, not part of the key),
+    `groups` replaced by the effective count (manifest.effective_groups): options with the same
+    summation order share a cubin."""
+    opts = Options.from_kwargs(options)
+    return cute_manifest.make_key(R, NB, opts.has_delta, opts.groups, opts.xmoe_replicas, bool(twoshot))
 
 
 def _key_build_command(key: dict, build: cute_manifest.Build) -> str:
@@ -233,24 +237,23 @@ def unavailable_reason(platform: str) -> str | None:
     return f"{reason}; {cannot}" if cannot else None
 
 
-def unsupported_reason(
-    dims: Dims,
-    *,
-    has_delta: bool = DEFAULTS.has_delta,
-    groups: int = DEFAULTS.groups,
-    xmoe_replicas: int = DEFAULTS.xmoe_replicas,
-    twoshot: bool = False,
-    ready: bool = True,
-    **_,
-) -> str | None:
+def unsupported_reason(dims: Dims, *, twoshot: bool = False, ready: bool = True, **options) -> str | None:
     """Why the cute backend cannot run this call, or None. ready: the registry's ready mode
-    (an XLA-produced mailbox); consume/consume_twoshot run the polling protocol."""
+    (an XLA-produced mailbox); consume/consume_twoshot run the polling protocol. `options`: the
+    consumer's, the missing ones at their defaults."""
     if dims.H != HIDDEN:
         return f"the CuTe cubins are built for H = {HIDDEN} only, got H = {dims.H}"
     if dims.T > MAX_TOKENS:
         return f"T = {dims.T} tokens exceeds the launch grid's y limit {MAX_TOKENS}"
-    key = kernel_key(dims.R, dims.NB, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas, twoshot=twoshot)
-    return _kernel_reason(key, dims.T, ready)
+    return _kernel_reason(kernel_key(dims.R, dims.NB, twoshot=twoshot, **options), dims.T, ready)
+
+
+def _supported_kernel(dims: Dims, opts: Options, *, twoshot: bool, ready: bool) -> _Kernel:
+    """The kernel that runs this call, or a ValueError with the reason the backend cannot."""
+    reason = unsupported_reason(dims, twoshot=twoshot, ready=ready, **opts.asdict())
+    if reason:
+        raise ValueError(f"backend 'cute' cannot run this call: {reason}")
+    return _kernel(kernel_key(dims.R, dims.NB, twoshot=twoshot, **opts.asdict()), dims.T, ready)
 
 
 READY_TIMEOUT_US = -1  # the kernel's ready mode: slots complete at launch, no poll, no re-arm
@@ -261,49 +264,30 @@ READY_TIMEOUT_US = -1  # the kernel's ready mode: slots complete at launch, no p
 RECORD_MAX_T = 64
 
 
-def consumer(
-    mailbox,  # [R, T, H] bf16, produced by XLA: complete at launch, only read
-    prefix,  # [T, H] bf16, updated in place
-    blocks,  # [T, NB, H] bf16
-    norm,  # [H] bf16
-    query,  # [H] bf16
-    out_norm,  # [H] bf16
-    *,
-    eps,
-    out_eps,
-    has_delta,
-    groups,
-    xmoe_replicas,
-) -> ConsumerResult:
+def consumer(mailbox, prefix, blocks, norm, query, out_norm, **options) -> ConsumerResult:
     """The registry entry point (api.consumer has checked the arguments): the kernel in ready
     mode. The mailbox is an ordinary XLA array, complete before the launch, so there is nothing
     to poll and nothing to re-arm: it is read once and not aliased (no copy, no sanitizing pass;
-    real -0.0 values are harmless, see kernel.py). Use `consume` for the Lamport protocol."""
+    real -0.0 values are harmless, see kernel.py); the prefix is updated in place. Use `consume`
+    for the Lamport protocol."""
+    opts = Options.from_kwargs(options)
     dims = Dims(*mailbox.shape[:2], blocks.shape[1], mailbox.shape[2])
     _check_concrete_platform(mailbox, prefix, blocks)
-    reason = unsupported_reason(dims, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas)
-    if reason:
-        raise ValueError(f"backend 'cute' cannot run this call: {reason}")
-    kernel = _kernel(
-        kernel_key(dims.R, dims.NB, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas, twoshot=False),
-        dims.T,
-        True,
-    )
+    kernel = _supported_kernel(dims, opts, twoshot=False, ready=True)
     ffi.register_targets()
     T, H = prefix.shape
     out_types = [
         jax.ShapeDtypeStruct((T, H), jnp.bfloat16),
         jax.ShapeDtypeStruct((T, H), jnp.bfloat16),
-        jax.ShapeDtypeStruct((xmoe_replicas, T, H), jnp.bfloat16),
+        jax.ShapeDtypeStruct((opts.xmoe_replicas, T, H), jnp.bfloat16),
         jax.ShapeDtypeStruct((2,), jnp.uint32),
     ]
     # jax.vmap runs one kernel call per batch element (the kernel has no batch dimension).
     target = ffi.READY_TARGET if T <= RECORD_MAX_T else ffi.READY_TRACED_TARGET
     call = jax.ffi.ffi_call(target, out_types, input_output_aliases={1: 0}, vmap_method="sequential")
-    new_prefix, output, xmoe, _ = call(
-        mailbox, prefix, blocks, norm, query, out_norm, **_attributes(kernel, eps, out_eps, READY_TIMEOUT_US, True)
-    )
-    return ConsumerResult(new_prefix, output, xmoe if xmoe_replicas else None)
+    attributes = _attributes(kernel, opts.eps, opts.out_eps, READY_TIMEOUT_US, True)
+    new_prefix, output, xmoe, _ = call(mailbox, prefix, blocks, norm, query, out_norm, **attributes)
+    return ConsumerResult(new_prefix, output, xmoe if opts.xmoe_replicas else None)
 
 
 # ---- the FFI calls ---------------------------------------------------------------------------
@@ -370,116 +354,57 @@ def _out_types(slots, prefix, xmoe_replicas, hints, status):
 _ALIASES = {0: 0, 1: 1, 6: 4, 7: 5}
 
 
-def consume(
-    mailbox,  # [R, T, H] bf16: rank slots, polled then re-armed
-    prefix,  # [T, H] bf16
-    blocks,  # [T, NB, H] bf16
-    norm,  # [H] bf16
-    query,  # [H] bf16
-    out_norm,  # [H] bf16
+def _consume(
+    slots,  # the mailbox [R, T, H], or twoshot's gather row [1, T, H]
+    prefix,
+    blocks,
+    norm,
+    query,
+    out_norm,
+    recv,  # consume_twoshot's [R, T, H/R] slots, None for consume
+    me: int | None,
+    defaults: Options,
     *,
-    eps: float = DEFAULTS.eps,
-    out_eps: float = DEFAULTS.out_eps,
-    has_delta: bool = DEFAULTS.has_delta,
-    groups: int = DEFAULTS.groups,
-    xmoe_replicas: int = DEFAULTS.xmoe_replicas,
     published: bool = False,
     timeout_us: int = DEFAULT_TIMEOUT_US,
     hints=None,  # [1] u32 or None (zeros)
     status=None,  # [1] i32 or None (zeros)
     pdl: bool = True,
-) -> CuteResult:
-    """The CuTe kernel on a oneshot mailbox; returns everything it writes (see module docstring).
-
-    `published=True`: the mailbox holds no -0.0 except in slots that are still to be published
-    (e.g. by a producer on another stream): nothing is done to it before the kernel polls it.
-    """
-    dims = check_arguments(
-        mailbox,
-        prefix,
-        blocks,
-        norm,
-        query,
-        out_norm,
-        eps=eps,
-        out_eps=out_eps,
-        has_delta=has_delta,
-        groups=groups,
-        xmoe_replicas=xmoe_replicas,
-    )
+    **options,
+) -> CuteResult | CuteTwoshotResult:
+    """consume and consume_twoshot: one call of the kernel in the polling protocol."""
+    dims = check_arguments(slots, prefix, blocks, norm, query, out_norm, **options)
+    opts = Options.from_kwargs(options, defaults)
+    twoshot = recv is not None
+    if twoshot:
+        dims = _twoshot_dims(recv, me, slots, dims)
+    extra = (recv,) if twoshot else ()  # an operand, and a result, after the status word
     timeout_us = check_timeout_us(timeout_us)
-    _check_concrete_platform(mailbox, prefix, blocks)
-    reason = unsupported_reason(
-        dims, has_delta=bool(has_delta), groups=groups, xmoe_replicas=xmoe_replicas, ready=False
-    )
-    if reason:
-        raise ValueError(f"backend 'cute' cannot run this call: {reason}")
-    kernel = _kernel(
-        kernel_key(dims.R, dims.NB, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas, twoshot=False),
-        dims.T,
-        False,
-    )
+    _check_concrete_platform(*extra, slots, prefix, blocks)
+    kernel = _supported_kernel(dims, opts, twoshot=twoshot, ready=False)
     hints, status = _flags(hints, status)
     if not published:
-        mailbox = without_negative_zero(mailbox)
+        extra = tuple(without_negative_zero(x) for x in extra)
+        slots = without_negative_zero(slots)
     ffi.register_targets()
-    call = jax.ffi.ffi_call(
-        ffi.ONESHOT_TARGET, _out_types(mailbox, prefix, xmoe_replicas, hints, status), input_output_aliases=_ALIASES
-    )
-    out = call(
-        mailbox,
-        prefix,
-        blocks,
-        norm,
-        query,
-        out_norm,
-        hints,
-        status,
-        **_attributes(kernel, eps, out_eps, timeout_us, pdl),
-    )
-    new_mailbox, new_prefix, output, xmoe, hints, status = out
-    return CuteResult(new_prefix, output, xmoe if xmoe_replicas else None, new_mailbox, hints, status)
+    out_types = _out_types(slots, prefix, opts.xmoe_replicas, hints, status)
+    out_types += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in extra]
+    attributes = _attributes(kernel, opts.eps, opts.out_eps, timeout_us, pdl)
+    if twoshot:
+        call = jax.ffi.ffi_call(ffi.TWOSHOT_TARGET, out_types, input_output_aliases={**_ALIASES, 8: 6})
+        attributes["me"] = np.int32(me)
+    else:
+        call = jax.ffi.ffi_call(ffi.ONESHOT_TARGET, out_types, input_output_aliases=_ALIASES)
+    out = call(slots, prefix, blocks, norm, query, out_norm, hints, status, *extra, **attributes)
+    new_slots, new_prefix, output, xmoe, hints, status, *new_extra = out
+    xmoe = xmoe if opts.xmoe_replicas else None
+    if twoshot:
+        return CuteTwoshotResult(new_prefix, output, xmoe, new_slots, *new_extra, hints, status)
+    return CuteResult(new_prefix, output, xmoe, new_slots, hints, status)
 
 
-def consume_twoshot(
-    recv,  # [R, T, H/R] bf16: every rank's partial of this rank's column slice; polled, re-armed
-    gather,  # [1, T, H] bf16: the gather row; columns owned by other ranks are polled, re-armed
-    prefix,  # [T, H] bf16
-    blocks,  # [T, NB, H] bf16
-    norm,  # [H] bf16
-    query,  # [H] bf16
-    out_norm,  # [H] bf16
-    *,
-    me: int,
-    eps: float = DEFAULTS.eps,
-    out_eps: float = DEFAULTS.out_eps,
-    has_delta: bool = DEFAULTS.has_delta,
-    groups: int = 1,  # the gather row is one slot: nothing to order
-    xmoe_replicas: int = DEFAULTS.xmoe_replicas,
-    published: bool = False,
-    timeout_us: int = DEFAULT_TIMEOUT_US,
-    hints=None,
-    status=None,
-    pdl: bool = True,
-) -> CuteTwoshotResult:
-    """Twoshot: reduce this rank's slice of `recv` (rank order) into the gather row, then consume it.
-
-    `me` (static int) owns columns [me*H/R, (me+1)*H/R). On one GPU the gather target is the
-    gather row itself; the other ranks' columns must already be (or later get) published there.
-    """
-    dims = check_arguments(
-        gather,
-        prefix,
-        blocks,
-        norm,
-        query,
-        out_norm,
-        eps=eps,
-        out_eps=out_eps,
-        has_delta=has_delta,
-        groups=groups,
-        xmoe_replicas=xmoe_replicas,
-    )
+def _twoshot_dims(recv, me, gather, dims: Dims) -> Dims:
+    """The twoshot kernel's dimensions, R from `recv`; checks recv, me and the one-slot gather row."""
     if dims.R != 1:
         raise ValueError(f"gather: expected the one-slot gather row [1, T, H], got shape {tuple(gather.shape)}")
     if not hasattr(recv, "shape") or jnp.dtype(recv.dtype) != jnp.bfloat16 or len(recv.shape) != 3:
@@ -491,43 +416,51 @@ def consume_twoshot(
         )
     if isinstance(me, bool) or not isinstance(me, (int, np.integer)) or not 0 <= me < R:
         raise ValueError(f"me: expected a static int with 0 <= me < R = {R}, got {me!r}")
-    timeout_us = check_timeout_us(timeout_us)
-    _check_concrete_platform(recv, gather, prefix)
-    key = kernel_key(R, dims.NB, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas, twoshot=True)
-    reason = unsupported_reason(
-        Dims(R, dims.T, dims.NB, dims.H),
-        has_delta=bool(has_delta),
-        groups=groups,
-        xmoe_replicas=xmoe_replicas,
-        twoshot=True,
-        ready=False,
-    )
-    if reason:
-        raise ValueError(f"backend 'cute' cannot run this call: {reason}")
-    kernel = _kernel(key, dims.T, False)
-    hints, status = _flags(hints, status)
-    if not published:
-        recv, gather = without_negative_zero(recv), without_negative_zero(gather)
-    ffi.register_targets()
-    out_types = _out_types(gather, prefix, xmoe_replicas, hints, status) + [
-        jax.ShapeDtypeStruct(recv.shape, recv.dtype)
-    ]
-    call = jax.ffi.ffi_call(ffi.TWOSHOT_TARGET, out_types, input_output_aliases={**_ALIASES, 8: 6})
-    out = call(
-        gather,
-        prefix,
-        blocks,
-        norm,
-        query,
-        out_norm,
-        hints,
-        status,
-        recv,
-        **_attributes(kernel, eps, out_eps, timeout_us, pdl),
-        me=np.int32(me),
-    )
-    new_gather, new_prefix, output, xmoe, hints, status, new_recv = out
-    return CuteTwoshotResult(new_prefix, output, xmoe if xmoe_replicas else None, new_gather, new_recv, hints, status)
+    return dims._replace(R=R)
+
+
+TWOSHOT_DEFAULTS = dataclasses.replace(DEFAULTS, groups=1)  # the gather row is one slot: nothing to order
+
+
+@takes_options(passes_on=_consume)
+def consume(
+    mailbox,  # [R, T, H] bf16: rank slots, polled then re-armed
+    prefix,
+    blocks,
+    norm,
+    query,
+    out_norm,
+    **keywords,
+) -> CuteResult:
+    """The CuTe kernel on a oneshot mailbox; returns everything it writes (see module docstring).
+    The other arrays and the options are oproj_jax.consumer's.
+
+    `published=True`: the mailbox holds no -0.0 except in slots that are still to be published
+    (e.g. by a producer on another stream): nothing is done to it before the kernel polls it.
+    """
+    return _consume(mailbox, prefix, blocks, norm, query, out_norm, None, None, DEFAULTS, **keywords)
+
+
+@takes_options(TWOSHOT_DEFAULTS, passes_on=_consume)
+def consume_twoshot(
+    recv,  # [R, T, H/R] bf16: every rank's partial of this rank's column slice; polled, re-armed
+    gather,  # [1, T, H] bf16: the gather row; columns owned by other ranks are polled, re-armed
+    prefix,
+    blocks,
+    norm,
+    query,
+    out_norm,
+    *,
+    me: int,
+    **keywords,
+) -> CuteTwoshotResult:
+    """Twoshot: reduce this rank's slice of `recv` (rank order) into the gather row, then consume it.
+
+    `me` (static int) owns columns [me*H/R, (me+1)*H/R). On one GPU the gather target is the
+    gather row itself; the other ranks' columns must already be (or later get) published there.
+    The other arrays and the options are oproj_jax.consumer's; `groups` defaults to 1.
+    """
+    return _consume(gather, prefix, blocks, norm, query, out_norm, recv, me, TWOSHOT_DEFAULTS, **keywords)
 
 
 def check_status(status) -> None:

@@ -63,6 +63,7 @@ import numpy as np
 from oproj_jax.api import Dims
 from oproj_jax.cute import backend, ffi
 from oproj_jax.cute import manifest as cute_manifest
+from oproj_jax.options import Options
 
 MAX_RANKS = 16  # cute/publish.py MAX_RANKS: one publish launch writes every rank's slot
 RESET_SYMBOL = "OprojPeerReset"
@@ -144,13 +145,12 @@ def unavailable_reason(platform: str) -> str | None:
     return None
 
 
-def unsupported_reason(dims: Dims, *, has_delta: bool, groups: int, xmoe_replicas: int) -> str | None:
-    """Why mode="peer" cannot serve one rank's view `dims` (R = the group's size), or None."""
+def unsupported_reason(dims: Dims, **options) -> str | None:
+    """Why mode="peer" cannot serve one rank's view `dims` (R = the group's size) with the
+    consumer's `options`, or None."""
     if dims.R > MAX_RANKS:
         return f"mode='peer' serves groups of up to {MAX_RANKS} ranks, got R = {dims.R}"
-    return backend.unsupported_reason(
-        dims, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas, ready=False
-    )
+    return backend.unsupported_reason(dims, ready=False, **options)
 
 
 def group_table(mesh, axis_name: str) -> tuple[tuple[int, ...], ...]:
@@ -177,37 +177,29 @@ def group_table(mesh, axis_name: str) -> tuple[tuple[int, ...], ...]:
 def consume(
     partial,  # [T, H] bf16: this rank's partial o-projection (XLA's; -0.0 allowed, published as +0.0)
     prefix,  # [T, H] bf16, updated in place
-    blocks,  # [T, NB, H] bf16
-    norm,  # [H] bf16
-    query,  # [H] bf16
-    out_norm,  # [H] bf16
+    blocks,
+    norm,
+    query,
+    out_norm,
     *,
     table: tuple[tuple[int, ...], ...],  # group_table(mesh, axis)
-    eps: float,
-    out_eps: float,
-    has_delta: bool,
-    groups: int,
-    xmoe_replicas: int,
     options: PeerOptions = PeerOptions(),
+    **consumer_options,
 ) -> PeerResult:
     """One rank's step inside the shard_map (the caller has checked arguments and support):
     publish `partial` to every rank of this device's group, then consume this device's mailbox.
-    Returns the status as a [1] i32 array (the OR of the consumer's and the publish's words)."""
+    `consumer_options` are the consumer's (Options.from_kwargs). Returns the status as a [1] i32
+    array (the OR of the consumer's and the publish's words)."""
+    opts = Options.from_kwargs(consumer_options)
     T, H = prefix.shape
     R = len(table[0])
-    kernel = backend._kernel(
-        backend.kernel_key(
-            R, blocks.shape[1], has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas, twoshot=False
-        ),
-        T,
-        False,
-    )
+    kernel = backend._kernel(backend.kernel_key(R, blocks.shape[1], twoshot=False, **opts.asdict()), T, False)
     publish_cubin, publish_entry = _publish_kernel()
     ffi.register_targets()
     out_types = [
         jax.ShapeDtypeStruct((T, H), jnp.bfloat16),
         jax.ShapeDtypeStruct((T, H), jnp.bfloat16),
-        jax.ShapeDtypeStruct((xmoe_replicas, T, H), jnp.bfloat16),
+        jax.ShapeDtypeStruct((opts.xmoe_replicas, T, H), jnp.bfloat16),
         jax.ShapeDtypeStruct((3,), jnp.int32),
     ]
     # has_side_effect: the call writes other devices' mailboxes (and every rank waits for every
@@ -221,7 +213,7 @@ def consume(
         norm,
         query,
         out_norm,
-        **backend._attributes(kernel, eps, out_eps, options.timeout_us, True),
+        **backend._attributes(kernel, opts.eps, opts.out_eps, options.timeout_us, True),
         publish_cubin=publish_cubin,
         publish_entry=publish_entry,
         group=np.asarray(table, np.int64).reshape(-1),
@@ -229,7 +221,7 @@ def consume(
         skip_rank=np.int32(skip),
     )
     # flags: [0] the consumer's status, [1] its hints counter (scratch), [2] the publish status
-    return PeerResult(new_prefix, output, xmoe if xmoe_replicas else None, flags[0:1] | flags[2:3])
+    return PeerResult(new_prefix, output, xmoe if opts.xmoe_replicas else None, flags[0:1] | flags[2:3])
 
 
 def describe_status(code: int) -> str:

@@ -32,6 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from oproj_jax.api import ConsumerResult, Dims
+from oproj_jax.options import NAMES, Options
 from oproj_jax.pallas import cluster_dots
 
 KERNEL_NAME = "oproj_consumer_pallas"  # the name the lowered module carries (tests look for it)
@@ -351,74 +352,30 @@ def choose_split(T: int, H: int, interpret: bool, R: int = 16, NB: int = 8, has_
     return dict(ring=RING if T <= RING_MAX_T else 2, split=1)
 
 
-def consumer(
-    mailbox,  # [R, T, H] bf16
-    prefix,  # [T, H] bf16
-    blocks,  # [T, NB, H] bf16
-    norm,  # [H] bf16
-    query,  # [H] bf16
-    out_norm,  # [H] bf16
-    *,
-    eps: float,
-    out_eps: float,
-    has_delta: bool,
-    groups: int,
-    xmoe_replicas: int,
-) -> ConsumerResult:
+def consumer(mailbox, prefix, blocks, norm, query, out_norm, **options) -> ConsumerResult:
     """The backend entry (api.consumer has checked the arguments): the kernel, tuned per shape;
     interpreted unless the arrays (or, traced, the enclosing mesh) are on a GPU."""
-    R, NB = mailbox.shape[0], blocks.shape[1]
+    R, T, H = mailbox.shape
     interpret = _interpret(mailbox, prefix, blocks)
-    return consumer_with(
-        mailbox,
-        prefix,
-        blocks,
-        norm,
-        query,
-        out_norm,
-        eps=eps,
-        out_eps=out_eps,
-        has_delta=has_delta,
-        groups=groups,
-        xmoe_replicas=xmoe_replicas,
-        interpret=interpret,
-        **choose_split(mailbox.shape[1], mailbox.shape[2], interpret, R=R, NB=NB, has_delta=has_delta),
-    )
+    tuning = choose_split(T, H, interpret, R=R, NB=blocks.shape[1], has_delta=options["has_delta"])
+    return consumer_with(mailbox, prefix, blocks, norm, query, out_norm, **options, interpret=interpret, **tuning)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "eps",
-        "out_eps",
-        "has_delta",
-        "groups",
-        "xmoe_replicas",
-        "ring",
-        "split",
-        "batch",
-        "profile_dir",
-        "interpret",
-    ),
-)
+@functools.partial(jax.jit, static_argnames=(*NAMES, "ring", "split", "batch", "profile_dir", "interpret"))
 def consumer_with(
-    mailbox,  # [R, T, H] bf16
-    prefix,  # [T, H] bf16
-    blocks,  # [T, NB, H] bf16
-    norm,  # [H] bf16
-    query,  # [H] bf16
-    out_norm,  # [H] bf16
+    mailbox,
+    prefix,
+    blocks,
+    norm,
+    query,
+    out_norm,
     *,
-    eps: float,
-    out_eps: float,
-    has_delta: bool,
-    groups: int,
-    xmoe_replicas: int,
     ring: int,
     split: int,
     batch: int = 1,
     profile_dir: str | None = None,
     interpret: bool | None = None,
+    **options,
 ) -> ConsumerResult:
     """The kernel with explicit tuning knobs: `split` CTAs per token (a cluster sharing the
     row), `ring` shared-memory row slots per CTA (split == 1; with split > 1 rows are resident),
@@ -426,7 +383,9 @@ def consumer_with(
     `profile_dir`: Mosaic GPU's in-kernel profiler writes a trace of the kernel's named phases
     there (GPU only; benchmarks/pallas_phases.py reads it). `interpret`: Mosaic GPU interpret
     mode; None: unless the enclosing mesh (or JAX's default backend) is a GPU (consumer() decides
-    from its arrays' devices). Interpret mode inside a shard_map over several devices raises."""
+    from its arrays' devices). Interpret mode inside a shard_map over several devices raises.
+    `options`: the consumer's (Options.from_kwargs: the missing ones at their defaults)."""
+    opts = Options.from_kwargs(options)
     R, T, H = mailbox.shape
     NB = blocks.shape[1]
     if (split != 1 and split not in CLUSTER_SPLITS) or (H // LANES) % split:
@@ -447,7 +406,10 @@ def consumer_with(
         raise ValueError(
             f"split: Mosaic GPU interpret mode has no cluster shared memory; expected split=1, got {split}"
         )
-    body, scratch = _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, xmoe_replicas, ring, split, batch=batch)
+    body, scratch = _make_kernel(
+        R, NB, H, opts.eps, opts.out_eps, opts.has_delta, opts.groups, opts.xmoe_replicas, ring, split, batch=batch
+    )
+    xmoe_replicas = opts.xmoe_replicas
     row = (split, C, LANES)  # one row of H, as the CTAs of a token see it
     # The new prefix is an output of its own, not the old prefix updated through a mutable Ref:
     # a Ref aliased into the Mosaic call inside a lax.scan body came back unwritten (zeros) on

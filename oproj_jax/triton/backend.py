@@ -59,42 +59,18 @@ def unsupported_reason(dims: Dims, **options) -> str | None:
     return launch_plan.unsupported_reason(dims.R)
 
 
-def consumer(
-    mailbox,  # [R, T, H] bf16
-    prefix,  # [T, H] bf16, updated in place (aliased)
-    blocks,  # [T, NB, H] bf16
-    norm,  # [H] bf16
-    query,  # [H] bf16
-    out_norm,  # [H] bf16
-    *,
-    eps,
-    out_eps,
-    has_delta,
-    groups,
-    xmoe_replicas,
-    variant: str | None = None,
-) -> ConsumerResult:
-    """The registry entry point (api.consumer has checked the arguments). `variant`: a name of
-    plan.VARIANTS, None for the default rule by T."""
-    options = dict(eps=eps, out_eps=out_eps, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas)
-    return launch(mailbox, prefix, blocks, norm, query, out_norm, **options, variant=variant)
+def consumer(mailbox, prefix, blocks, norm, query, out_norm, **options) -> ConsumerResult:
+    """The registry entry point (api.consumer has checked the arguments): `launch` for GPU 0's
+    compute capability, the prefix updated in place (aliased). Takes launch's `variant` too."""
+    return launch(mailbox, prefix, blocks, norm, query, out_norm, **options)
 
 
 def launch(
-    mailbox,
-    prefix,
-    blocks,
-    norm,
-    query,
-    out_norm,
-    *,
-    variant: str | None = None,
-    compute_capability: int | None = None,
-    lowering: str | None = None,
-    **options,
+    mailbox, prefix, blocks, norm, query, out_norm, *, variant=None, compute_capability=None, lowering=None, **options
 ) -> ConsumerResult:
     """`consumer`, compiled for `compute_capability` (e.g. 90; None: GPU 0's, jax_triton's rule),
-    each launch lowered as `lowering` (LOWERINGS; None: DEFAULT_LOWERING)."""
+    each launch lowered as `lowering` (LOWERINGS; None: DEFAULT_LOWERING). `variant`: a name of
+    plan.VARIANTS, None for the default rule by T."""
     lowering = lowering or DEFAULT_LOWERING
     if lowering not in LOWERINGS:
         raise ValueError(f"lowering: expected one of {sorted(LOWERINGS)}, got {lowering!r}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 
-from oproj_jax.options import DEFAULTS, Options
+from oproj_jax.options import Options, takes_options
 from oproj_jax.torch_ref import TorchResult, check_tensors
 from oproj_jax.triton import kernel
 from oproj_jax.triton import plan as launch_plan
@@ -57,29 +57,18 @@ def _check_launchable(torch, named: dict) -> None:
         )
 
 
-def consumer(
-    mailbox,  # [R, T, H] bf16 torch.Tensor
-    prefix,  # [T, H] bf16, updated in place
-    blocks,  # [T, NB, H] bf16, 0 <= NB <= 8
-    norm,  # [H] bf16
-    query,  # [H] bf16
-    out_norm,  # [H] bf16
-    *,
-    eps: float = DEFAULTS.eps,
-    out_eps: float = DEFAULTS.out_eps,
-    has_delta: bool = DEFAULTS.has_delta,
-    groups: int = DEFAULTS.groups,
-    xmoe_replicas: int = DEFAULTS.xmoe_replicas,
-    variant: str | None = None,
-) -> TorchResult:
-    """Returns TorchResult(prefix (the argument, updated), output, xmoe or None). `variant`: a
-    name of plan.VARIANTS, None for the default rule (plan.default_variant). Raises TypeError /
-    ValueError naming the argument (dtype, shape, device, layout, option) before launching."""
+@takes_options()
+def consumer(mailbox, prefix, blocks, norm, query, out_norm, *, variant: str | None = None, **options) -> TorchResult:
+    """The arguments and options of oproj_jax.consumer, as bf16 torch.Tensors (see the module
+    docstring). Returns TorchResult(prefix (the argument, updated), output, xmoe or None).
+    `variant`: a name of plan.VARIANTS, None for the default rule (plan.default_variant). Raises
+    TypeError / ValueError naming the argument (dtype, shape, device, layout, option) before
+    launching."""
     import torch
 
     named = dict(mailbox=mailbox, prefix=prefix, blocks=blocks, norm=norm, query=query, out_norm=out_norm)
     check_tensors(torch, **named)
-    options = Options(eps=eps, out_eps=out_eps, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas)
+    options = Options.from_kwargs(options)
     R, T, H = mailbox.shape
     NB = blocks.shape[1]
     plan = launch_plan.make(R, T, NB, H, **options.asdict(), variant=variant)
