@@ -78,7 +78,13 @@ def main(argv=None) -> int:
     from oproj_jax.bench import decode_step as D
 
     D.MAILBOX = args.mailbox
-    results = dict(label=args.label, mailbox=args.mailbox, xla_flags=os.environ.get("XLA_FLAGS", ""), device=str(jax.devices()[0]), runs=[])
+    results = dict(
+        label=args.label,
+        mailbox=args.mailbox,
+        xla_flags=os.environ.get("XLA_FLAGS", ""),
+        device=str(jax.devices()[0]),
+        runs=[],
+    )
     for T in (int(t) for t in args.tokens.split(",")):
         weights, state = D.make_weights(args.layers, T), D.make_state(T)
         for loop in args.loops.split(","):

@@ -34,14 +34,18 @@ has() { [[ ",$stages," == *",$1,"* ]]; }
 
 if has checks; then
   stage tests 400 python3 -m pytest -q -p no:cacheprovider -rfEx --tb=short -n 8 --dist loadfile &
-  stage ipc 60 python3 benchmarks/ipc_probe.py --out "$out" &
-  bash benchmarks/sanitize.sh "$out" 330 > "$out/sanitize.txt" 2>&1 &
+  has ipc && stage ipc 60 python3 benchmarks/ipc_probe.py --out "$out" &
+  mkdir -p "$out/sanitize"
+  bash benchmarks/sanitize.sh "$out/sanitize" 330 > "$out/sanitize.txt" 2>&1 &
   [ -d .whl ] && stage wheel 330 bash benchmarks/wheel_check.sh &
   wait
-  cat "$out/sanitize.txt"
+  # one file for the four sanitizer logs (the device tool returns a few files per call)
+  for f in "$out"/sanitize/sanitize-*.txt; do echo "##### $f"; head -c 20000 "$f"; echo; done >> "$out/sanitize.txt"
+  rm -rf "$out/sanitize"
+  grep -E "^== " "$out/sanitize.txt"
   tail -n 12 "$out/tests.txt"
   tail -n 8 "$out/wheel.txt"
-  tail -n 15 "$out/ipc.txt"
+  has ipc && tail -n 15 "$out/ipc.txt"
 fi
 if has record; then
   stage record 190 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/record.py --out-dir "$out" \

@@ -7,8 +7,9 @@
 #   pallas                tests/test_pallas.py::test_parity_gpu (default build and the 7-CTA split)
 #   peer publish + consumer  tests/test_peer_gpu.py::test_peer_bits_equal_oneshot (2 GPUs or more)
 # One process per tool (memcheck, racecheck, synccheck, initcheck), the four in parallel, each
-# bounded in time; only our kernels are instrumented (--kernel-name, by name substring), so
-# XLA's own kernels neither slow the run down nor enter the report. Host API errors are not
+# bounded in time; memcheck, racecheck and synccheck instrument only our kernels (--kernel-name,
+# by name substring), so XLA's own kernels neither slow them down nor enter their reports;
+# initcheck instruments every kernel (see below). Host API errors are not
 # reported (cuda-python probes driver entry points that do not exist, which is not a device
 # memory error). A log ends with "ERROR SUMMARY: N errors" (racecheck: "RACECHECK SUMMARY").
 # Build first (python -m oproj_jax.build) and carry oproj_jax/_lib and oproj_jax/cute/cubins.
@@ -42,11 +43,15 @@ fi
 # "..._oproj_jaxcutepublishPublish_..."; the Pallas kernel: pallas/consumer.py KERNEL_NAME
 filter="--kernel-name kns=oproj"
 for tool in memcheck racecheck synccheck initcheck; do
-  extra=""
-  [ "$tool" = memcheck ] && extra="--leak-check no"
+  extra="--print-limit 20"
+  [ "$tool" = memcheck ] && extra="$extra --leak-check no"
+  # initcheck tracks which bytes were written; memory our kernels read was written by XLA's
+  # kernels (the inputs, zeroed flags), so every kernel is instrumented there, not only ours
+  select=$filter
+  [ "$tool" = initcheck ] && select=""
   (
     t0=$SECONDS
-    timeout "$limit" compute-sanitizer --tool "$tool" $extra --report-api-errors no $filter \
+    timeout "$limit" compute-sanitizer --tool "$tool" $extra --report-api-errors no $select \
       python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short "${tests[@]}" > "$out/sanitize-$tool.txt" 2>&1
     rc=$?
     summary=$(grep -E "(ERROR|RACECHECK) SUMMARY" "$out/sanitize-$tool.txt" | tail -n 1)

@@ -156,6 +156,13 @@ def _tp_call(
     return _checked(result, mode, producer[0])
 
 
+def _with_mesh(name: str, keywords: dict) -> dict:
+    """The keywords, or a TypeError naming the public function when `mesh` is missing."""
+    if "mesh" not in keywords:
+        raise TypeError(f"{name}() missing the keyword argument 'mesh' (a jax.sharding.Mesh with the TP axis)")
+    return keywords
+
+
 @takes_options(passes_on=_tp_call)
 def tp_consumer(
     partial,  # [R, T, H] bf16, sharded on R over `axis_name`: rank r holds partial[r] ([1, T, H])
@@ -175,7 +182,7 @@ def tp_consumer(
     mode="peer" returns a PeerResult (the same fields plus `status`), checked here when the
     call is eager. Works eagerly and under jit / scan (donate the prefix at the caller's jit).
     """
-    return _tp_call((partial,), prefix, blocks, norm, query, out_norm, **keywords)
+    return _tp_call((partial,), prefix, blocks, norm, query, out_norm, **_with_mesh("tp_consumer", keywords))
 
 
 @takes_options(passes_on=_tp_call)
@@ -199,7 +206,7 @@ def tp_oproj_consumer(
     it (-0.0 as +0.0) and the partials are reduced and consumed as in `tp_consumer` with the
     same `mode`. Returns the same replicated ConsumerResult (PeerResult for mode="peer").
     """
-    return _tp_call((attn, w_o), prefix, blocks, norm, query, out_norm, **keywords)
+    return _tp_call((attn, w_o), prefix, blocks, norm, query, out_norm, **_with_mesh("tp_oproj_consumer", keywords))
 
 
 def _checked(result, mode: str, first_input):

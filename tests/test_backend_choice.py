@@ -38,15 +38,17 @@ class FakeGPU:
 
 
 def arrays(R=2, T=1, NB=1, hidden=H):
+    """Arrays on the CPU device, on any machine (on a GPU machine JAX's default would be the GPU)."""
     bf16 = jnp.bfloat16
-    return (
-        jnp.zeros((R, T, hidden), bf16),
-        jnp.zeros((T, hidden), bf16),
-        jnp.zeros((T, NB, hidden), bf16),
-        jnp.ones((hidden,), bf16),
-        jnp.zeros((hidden,), bf16),
-        jnp.ones((hidden,), bf16),
-    )
+    with jax.default_device(jax.devices("cpu")[0]):
+        return (
+            jnp.zeros((R, T, hidden), bf16),
+            jnp.zeros((T, hidden), bf16),
+            jnp.zeros((T, NB, hidden), bf16),
+            jnp.ones((hidden,), bf16),
+            jnp.zeros((hidden,), bf16),
+            jnp.ones((hidden,), bf16),
+        )
 
 
 @pytest.fixture
@@ -98,8 +100,10 @@ def test_a_variant_that_compiles_on_first_use_is_supported(cute_here, monkeypatc
     assert "R=17" in reason and "expected 1 <= R <= 16" in reason
 
 
-def test_hopper_gpu_without_cute_takes_pallas():
-    """cute is unavailable here (no CUDA platform), pallas runs on the 9.0 device."""
+def test_hopper_gpu_without_cute_takes_pallas(monkeypatch):
+    """cute unavailable (on a CPU machine: no CUDA platform; pinned so on any machine), pallas
+    runs on the 9.0 device."""
+    monkeypatch.setattr(cute_backend, "unavailable_reason", lambda platform: "stand-in: no cute here")
     assert api.resolve_backend("auto", "gpu", DIMS, devices=[FakeGPU("9.0")], **OPTIONS) == "pallas"
 
 
@@ -166,7 +170,13 @@ def test_explain_checks_its_arguments_like_consumer():
     with pytest.raises(ValueError, match="backend: expected one of"):
         oproj_jax.explain(mailbox, *rest, backend="tpu")
     specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays()]  # shapes only: the default device
-    assert oproj_jax.explain(*specs, groups=2).startswith("backend='auto' runs 'reference'")
+    on_default = [jax.device_put(x, jax.devices()[0]) for x in arrays()]
+
+    def choice(text):  # the pick and every reason; the device count differs (all of them vs one)
+        first, *rest = text.splitlines()
+        return first.split(" (")[0], rest
+
+    assert choice(oproj_jax.explain(*specs, groups=2)) == choice(oproj_jax.explain(*on_default, groups=2))
 
 
 # ---- the Triton kernel: compute capability 8.0 and newer

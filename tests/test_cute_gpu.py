@@ -481,7 +481,9 @@ def test_xla_command_buffer(cute, tmp_path):
         os.environ,
         XLA_FLAGS=f"--xla_gpu_graph_min_graph_size=1 --xla_dump_to={dump}",
         XLA_PYTHON_CLIENT_PREALLOCATE="false",
-        PYTHONPATH=str(pathlib.Path(backend.__file__).parents[2]),
+        PYTHONPATH=os.pathsep.join(
+            filter(None, (str(pathlib.Path(backend.__file__).parents[2]), os.environ.get("PYTHONPATH")))
+        ),
     )
     out, ready_out = tmp_path / "out.npy", tmp_path / "ready.npy"
     done = subprocess.run(

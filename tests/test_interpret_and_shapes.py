@@ -41,7 +41,7 @@ def abstract_mesh(platform: str, axes=()):
 
 
 def test_interpret_mode_follows_the_arrays_and_the_mesh_not_the_default_backend(monkeypatch):
-    cpu_array = jnp.zeros((2, 2), jnp.bfloat16)
+    cpu_array = jax.device_put(jnp.zeros((2, 2), jnp.bfloat16), jax.devices("cpu")[0])
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # a GPU machine, as JAX's default sees it
     assert pallas_consumer._interpret(cpu_array)  # arrays on the CPU: interpreted
     assert not pallas_consumer._interpret()  # nothing concrete, no mesh: the default backend

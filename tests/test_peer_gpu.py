@@ -124,7 +124,9 @@ def test_xla_command_buffer_chain_stays_exact(mesh, tmp_path):
         os.environ,
         XLA_FLAGS=f"--xla_gpu_graph_min_graph_size=1 --xla_dump_to={dump}",
         XLA_PYTHON_CLIENT_PREALLOCATE="false",
-        PYTHONPATH=str(pathlib.Path(backend.__file__).parents[2]),
+        PYTHONPATH=os.pathsep.join(
+            filter(None, (str(pathlib.Path(backend.__file__).parents[2]), os.environ.get("PYTHONPATH")))
+        ),
     )
     done = subprocess.run(
         [sys.executable, "-c", _COMMAND_BUFFER_SCRIPT], env=env, capture_output=True, text=True, timeout=150

@@ -328,7 +328,9 @@ def _custom_calls(text: str, lowering: str) -> list[str]:
 
 
 @pytest.mark.parametrize("lowering", TARGETS)
-@pytest.mark.parametrize(("variant", "T", "kernels"), [(None, 1, 2), ("row-w8", 64, 1), ("tile-256-w4", 8, 1)])
+@pytest.mark.parametrize(
+    ("variant", "T", "kernels"), [(None, 1, 1), ("split-256-w4", 1, 2), ("row-w8", 64, 1), ("tile-256-w4", 8, 1)]
+)
 def test_jax_call_lowers_for_cuda_with_the_prefix_aliased(cuda_triton_stand_ins, variant, T, kernels, lowering):
     text = _lowered(variant, T, lowering=lowering)
     calls = _custom_calls(text, lowering)
@@ -372,9 +374,9 @@ def test_unavailable_without_the_cuda_plugin():
 
 def test_default_rule_by_tokens():
     assert [plan.default_variant(t, 7168) for t in (1, 8, 64, 512, 4096)] == [
-        "split-256-w4",
-        "split-512-w4",
-        "split-1024-w4",
+        "row-w8",
+        "row-w8",
+        "row-w8",
         "row-w16",
         "row-w16",
     ]
@@ -486,6 +488,11 @@ def _script():
 
 
 def test_benchmark_script_without_a_gpu_records_every_step_as_skipped(tmp_path):
+    try:
+        if jax.devices("gpu"):
+            pytest.skip("a GPU is here: the script checks and times for real (it runs on the GPU machine)")
+    except RuntimeError:
+        pass  # no GPU: the case this test is about
     script = _script()
     assert script.main(["--allow-cpu", "--out", str(tmp_path), "--tokens", "1,4096", "--budget", "30"]) == 0
     (path,) = tmp_path.glob("*-triton.json")

@@ -10,10 +10,10 @@ jax_triton compiles for the compute capability of GPU 0 unless told (`launch(...
 compute_capability=90)` lowers for an sm_90 device on a machine without one); it has no CPU or
 interpret path, so this backend runs on CUDA GPUs only.
 
-Two lowerings of a launch (`launch(..., lowering=...)`, DEFAULT_LOWERING): "triton_call",
-jax_triton.triton_call itself (in jax-triton 0.3.1 a legacy custom call, which XLA's thunk-level
-command-buffer pass may leave outside its graphs), and "ffi", the same compiled kernel and
-kernel-call proto sent to jaxlib's command-buffer-compatible FFI target instead.
+Two lowerings of a launch (`launch(..., lowering=...)`, DEFAULT_LOWERING): "ffi" (the default),
+the kernel compiled by jax_triton as triton_call would and its kernel-call proto sent to
+jaxlib's command-buffer-compatible FFI target, and "triton_call", jax_triton.triton_call itself
+(in jax-triton 0.3.1 a legacy custom call, which XLA leaves outside its command buffers).
 """
 
 from __future__ import annotations
@@ -135,9 +135,10 @@ def _via_ffi(launch: launch_plan.Launch, arrays, out_shape, aliases, compute_cap
 
 FFI_TARGET = "triton_kernel_call_ffi"
 LOWERINGS = {"triton_call": _via_triton_call, "ffi": _via_ffi}
-# triton_call, as specified; "ffi" where the thunk dump shows triton_call's custom calls outside
-# XLA's command buffers (tests/test_triton_gpu.py::test_xla_command_buffer_thunk_dump).
-DEFAULT_LOWERING = "triton_call"
+# "ffi": on the H200 (jax 0.11.2) XLA's thunk dump shows its calls inside the command buffer,
+# and triton_call's legacy custom calls outside it (tests/test_triton_gpu.py::
+# test_xla_command_buffer_thunk_dump), so a jitted loop replays them as one graph.
+DEFAULT_LOWERING = "ffi"
 
 
 @functools.lru_cache(maxsize=None)

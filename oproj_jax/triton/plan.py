@@ -60,11 +60,11 @@ VARIANTS = {
     )
 }
 
-# The default rule: the first (largest T, variant) whose bound holds. At T = 1 a single program
-# would pull the whole ~358 KB row set alone; splitting the row keeps T * C programs >= ~28.
-# Large T: one pass over memory, the row in registers (16 warps, ~110 registers a thread: one
-# program an SM; compiled for sm_90). Not yet tuned on a GPU: benchmarks/triton_gpu.py times every variant at each T.
-RULE = ((2, "split-256-w4"), (16, "split-512-w4"), (64, "split-1024-w4"), (math.inf, "row-w16"))
+# The default rule: the first (largest T, variant) whose bound holds. Chosen by kernel time on
+# the H200 (benchmarks/triton_gpu.py, every variant at each T; docs/perf.md): one program per
+# token holding the row in registers was fastest at every T measured; the split variants (meant
+# for small T) were slower than it even at T = 1. 8 warps up to 64 tokens, 16 above.
+RULE = ((64, "row-w8"), (math.inf, "row-w16"))
 WIDE_ROW = "tile-512-w8"  # in place of a row variant where H > ROW_MAX_H
 
 
