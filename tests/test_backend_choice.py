@@ -98,6 +98,11 @@ def test_a_variant_that_compiles_on_first_use_is_supported(cute_here, monkeypatc
     # what the kernel cannot be built for stays unsupported, with the kernel's reason
     reason = cute_backend.unsupported_reason(DIMS._replace(R=17), **OPTIONS)
     assert "R=17" in reason and "expected 1 <= R <= 16" in reason
+    # explain says that the first call compiles (and says nothing of it for a prebuilt variant)
+    monkeypatch.setattr(api, "_placement", lambda *a: ("gpu", [FakeGPU("9.0")]))
+    text = oproj_jax.explain(*arrays(NB=2), **OPTIONS)
+    assert text.startswith("backend='auto' runs 'cute'") and "is not prebuilt: the first call compiles it" in text
+    assert "not prebuilt" not in oproj_jax.explain(*arrays(), **OPTIONS)
 
 
 def test_hopper_gpu_without_cute_takes_pallas(monkeypatch):

@@ -248,6 +248,18 @@ def unsupported_reason(dims: Dims, *, twoshot: bool = False, ready: bool = True,
     return _kernel_reason(kernel_key(dims.R, dims.NB, twoshot=twoshot, **options), dims.T, ready)
 
 
+def explain_note(dims: Dims, **options) -> str | None:
+    """What oproj_jax.explain adds when cute runs a call: that its cubin is not prebuilt and the
+    first call compiles it (seconds, once; cached on disk), or that an earlier call did."""
+    key = kernel_key(dims.R, dims.NB, twoshot=False, **options)
+    build = cute_manifest.build_for(dims.T, True)
+    if _prebuilt(key, build)[0] is not None:
+        return None
+    if cache.cached(key, build):
+        return f"{cute_manifest.describe(key)} is not prebuilt; an earlier call compiled it into the cache"
+    return f"{cute_manifest.describe(key)} is not prebuilt: the first call compiles it (seconds, once; cached on disk)"
+
+
 def _supported_kernel(dims: Dims, opts: Options, *, twoshot: bool, ready: bool) -> _Kernel:
     """The kernel that runs this call, or a ValueError with the reason the backend cannot."""
     reason = unsupported_reason(dims, twoshot=twoshot, ready=ready, **opts.asdict())
