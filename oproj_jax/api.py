@@ -273,9 +273,9 @@ def explain(mailbox, prefix, blocks, norm, query, out_norm, *, backend: str = "a
         lines = [f"backend={backend!r} runs {name!r} for this call ({shape}; {where})"]
         if name == "pallas" and platform == "cpu":
             lines.append("  pallas runs in Mosaic GPU interpret mode here (slow; for tests)")
-        note = getattr(_module(name), "explain_note", None)
-        if note is not None and note(dims, **options):
-            lines.append(f"  {name}: {note(dims, **options)}")
+        note = getattr(_module(name), "explain_note", lambda *a, **k: None)(dims, **options)
+        if note:
+            lines.append(f"  {name}: {note}")
         if name == "triton" and backend == "auto":
             lines.append(
                 "  triton: the portable kernel, taken because the Hopper kernels (cute, pallas) cannot run this call"

@@ -241,11 +241,18 @@ def unsupported_reason(dims: Dims, *, twoshot: bool = False, ready: bool = True,
     """Why the cute backend cannot run this call, or None. ready: the registry's ready mode
     (an XLA-produced mailbox); consume/consume_twoshot run the polling protocol. `options`: the
     consumer's, the missing ones at their defaults."""
+    return _launch_reason(dims) or _kernel_reason(
+        kernel_key(dims.R, dims.NB, twoshot=twoshot, **options), dims.T, ready
+    )
+
+
+def _launch_reason(dims: Dims) -> str | None:
+    """Why no cubin's launch fits these dimensions (whatever the variant), or None."""
     if dims.H != HIDDEN:
         return f"the CuTe cubins are built for H = {HIDDEN} only, got H = {dims.H}"
     if dims.T > MAX_TOKENS:
         return f"T = {dims.T} tokens exceeds the launch grid's y limit {MAX_TOKENS}"
-    return _kernel_reason(kernel_key(dims.R, dims.NB, twoshot=twoshot, **options), dims.T, ready)
+    return None
 
 
 def explain_note(dims: Dims, **options) -> str | None:
@@ -261,11 +268,16 @@ def explain_note(dims: Dims, **options) -> str | None:
 
 
 def _supported_kernel(dims: Dims, opts: Options, *, twoshot: bool, ready: bool) -> _Kernel:
-    """The kernel that runs this call, or a ValueError with the reason the backend cannot."""
-    reason = unsupported_reason(dims, twoshot=twoshot, ready=ready, **opts.asdict())
-    if reason:
-        raise ValueError(f"backend 'cute' cannot run this call: {reason}")
-    return _kernel(kernel_key(dims.R, dims.NB, twoshot=twoshot, **opts.asdict()), dims.T, ready)
+    """The kernel that runs this call, or a ValueError with the reason the backend cannot (the
+    reason unsupported_reason gives: _kernel raises what _kernel_reason returns, and compiles a
+    variant that is only compilable)."""
+    reason = _launch_reason(dims)
+    if reason is None:
+        try:
+            return _kernel(kernel_key(dims.R, dims.NB, twoshot=twoshot, **opts.asdict()), dims.T, ready)
+        except ValueError as err:
+            reason = str(err)
+    raise ValueError(f"backend 'cute' cannot run this call: {reason}")
 
 
 READY_TIMEOUT_US = -1  # the kernel's ready mode: slots complete at launch, no poll, no re-arm
