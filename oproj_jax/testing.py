@@ -69,6 +69,22 @@ def custom_calls_in_command_buffers(thunks: str) -> int:
     return count
 
 
+def command_buffer_env(dump_dir) -> dict:
+    """The environment of a subprocess whose jitted functions XLA puts into command buffers even
+    when short (--xla_gpu_graph_min_graph_size=1) and dumps into `dump_dir`, with this package
+    importable (its root ahead of the caller's PYTHONPATH) and no preallocated GPU pool."""
+    import os
+    import pathlib
+
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    return dict(
+        os.environ,
+        XLA_FLAGS=f"--xla_gpu_graph_min_graph_size=1 --xla_dump_to={dump_dir}",
+        XLA_PYTHON_CLIENT_PREALLOCATE="false",
+        PYTHONPATH=os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH")))),
+    )
+
+
 def thunk_sequence(dump_dir, module: str) -> str:
     """The thunk-sequence dump of the jitted function named `module` in an XLA dump directory."""
     import pathlib

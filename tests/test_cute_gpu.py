@@ -9,7 +9,6 @@ shows up as a status code, not a hung GPU.
 import functools
 import json
 import os
-import pathlib
 import subprocess
 import sys
 import textwrap
@@ -477,14 +476,7 @@ def test_xla_command_buffer(cute, tmp_path):
     record stage: replays are exact, graph updates with new buffers stay exact, and XLA's thunk
     sequence shows the calls inside the command buffer."""
     dump = tmp_path / "dump"
-    env = dict(
-        os.environ,
-        XLA_FLAGS=f"--xla_gpu_graph_min_graph_size=1 --xla_dump_to={dump}",
-        XLA_PYTHON_CLIENT_PREALLOCATE="false",
-        PYTHONPATH=os.pathsep.join(
-            filter(None, (str(pathlib.Path(backend.__file__).parents[2]), os.environ.get("PYTHONPATH")))
-        ),
-    )
+    env = testing.command_buffer_env(dump)
     out, ready_out = tmp_path / "out.npy", tmp_path / "ready.npy"
     done = subprocess.run(
         [sys.executable, "-c", _COMMAND_BUFFER_SCRIPT, str(out), str(ready_out)],

@@ -15,8 +15,6 @@ ranks and within the output tolerance of oneshot's (the grouped build vs the fol
 
 import functools
 import json
-import os
-import pathlib
 import subprocess
 import sys
 import textwrap
@@ -30,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from oproj_jax import configs, testing
-from oproj_jax.cute import backend, peer
+from oproj_jax.cute import peer
 from oproj_jax.sharded import tp_consumer, tp_oproj_consumer
 
 R = 2
@@ -120,14 +118,7 @@ def test_xla_command_buffer_chain_stays_exact(mesh, tmp_path):
     stage), and six executions alternating two input sets (new buffer addresses each time: the
     graph nodes are updated, not re-recorded) give oneshot's prefix bits on both ranks."""
     dump = tmp_path / "dump"
-    env = dict(
-        os.environ,
-        XLA_FLAGS=f"--xla_gpu_graph_min_graph_size=1 --xla_dump_to={dump}",
-        XLA_PYTHON_CLIENT_PREALLOCATE="false",
-        PYTHONPATH=os.pathsep.join(
-            filter(None, (str(pathlib.Path(backend.__file__).parents[2]), os.environ.get("PYTHONPATH")))
-        ),
-    )
+    env = testing.command_buffer_env(dump)
     done = subprocess.run(
         [sys.executable, "-c", _COMMAND_BUFFER_SCRIPT], env=env, capture_output=True, text=True, timeout=150
     )

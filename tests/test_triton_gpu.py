@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import pathlib
 import subprocess
 import sys
 import textwrap
@@ -32,7 +31,6 @@ from oproj_jax import api, configs, testing  # noqa: E402
 from oproj_jax.configs import Config  # noqa: E402
 from oproj_jax.triton import backend, plan  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 ARGS = ("mailbox", "prefix", "blocks", "norm", "query", "out_norm")
 SEED = int(time.time()) % 2**31
 EPS = dict(eps=1e-6, out_eps=1e-5)
@@ -228,12 +226,7 @@ def test_xla_command_buffer_thunk_dump(triton_gpu, tmp_path, lowering):
     legacy "triton_kernel_call", which has no FFI handler, so there the count is expected to be 0
     (each launch then goes from the host): xfail, with the count, rather than a failure."""
     dump = tmp_path / "dump"
-    env = dict(
-        os.environ,
-        XLA_FLAGS=f"--xla_gpu_graph_min_graph_size=1 --xla_dump_to={dump}",
-        XLA_PYTHON_CLIENT_PREALLOCATE="false",
-        PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
-    )
+    env = testing.command_buffer_env(dump)
     out = tmp_path / "runs.npy"
     done = subprocess.run(
         [sys.executable, "-c", _COMMAND_BUFFER_SCRIPT, str(out), str(SEED), lowering],
