@@ -17,6 +17,15 @@ def _private_cubin_cache(tmp_path_factory):
         yield
 
 
+def dsl_missing_reason() -> str | None:
+    """None when the CuTe DSL imports (cubins can be compiled here), else why not."""
+    try:
+        import cutlass.cute  # noqa: F401
+    except Exception as err:  # the DSL raises more than ImportError when its libs are absent
+        return f"CuTe DSL not importable ({type(err).__name__}: {err}); pip install oproj-jax[cute]"
+    return None
+
+
 def gpu_platform_reason() -> str | None:
     """None when a CUDA GPU is present, else why GPU tests are skipped."""
     try:

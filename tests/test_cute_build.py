@@ -11,6 +11,7 @@ import struct
 
 import pytest
 
+from conftest import dsl_missing_reason
 from oproj_jax.cute import manifest as M
 
 # (R, NB, has_delta, groups, xmoe_replicas, twoshot): production shape, an uneven split
@@ -25,17 +26,9 @@ ONESHOT_PARAMS = [".u64"] * 10 + [".f32", ".f32", ".u32", ".u32"]  # cute/ABI.md
 TWOSHOT_PARAMS = ONESHOT_PARAMS + [".u64", ".u64", ".u32"]  # 14 recv, 15 gather, 16 me
 
 
-def _dsl_missing_reason():
-    try:
-        import cutlass.cute  # noqa: F401
-    except Exception as err:  # the DSL raises more than ImportError when its libs are absent
-        return f"CuTe DSL not importable ({type(err).__name__}: {err}); pip install oproj-jax[cute]"
-    return None
-
-
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    reason = _dsl_missing_reason()
+    reason = dsl_missing_reason()
     if reason:
         pytest.skip(reason)
     from oproj_jax.cute import build

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from conftest import dsl_missing_reason
 from oproj_jax import configs
 from oproj_jax.cute import backend, cache, ffi
 from oproj_jax.cute import manifest as M
@@ -29,14 +30,6 @@ H = configs.HIDDEN
 OPTIONS = dict(has_delta=True, groups=4, xmoe_replicas=0)
 KEY = backend.kernel_key(3, 1, twoshot=False, **OPTIONS)
 COMPILING = "compiling the CuTe cubin"  # the one line cache.py logs per compile
-
-
-def _dsl_missing_reason():
-    try:
-        import cutlass.cute  # noqa: F401
-    except Exception as err:  # the DSL raises more than ImportError when its libs are absent
-        return f"CuTe DSL not importable ({type(err).__name__}: {err}): nothing compiles on first use"
-    return None
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +68,7 @@ class _Lines(logging.Handler):
 def first_use(tmp_path_factory, library):
     """The registry call at R = 3 lowered for CUDA with nothing prebuilt: it compiles the
     variant into a fresh cache. Returns (the environment, the HLO text, the kernel, the log)."""
-    reason = _dsl_missing_reason()
+    reason = dsl_missing_reason()
     if reason:
         pytest.skip(reason)
     root = tmp_path_factory.mktemp("first_use")
@@ -167,7 +160,7 @@ def test_a_fresh_process_reuses_the_cached_cubin(first_use):
 
 
 def test_two_processes_racing_for_a_variant_compile_it_once(tmp_path):
-    reason = _dsl_missing_reason()
+    reason = dsl_missing_reason()
     if reason:
         pytest.skip(reason)
     (tmp_path / "prebuilt").mkdir()
