@@ -76,11 +76,7 @@ if has decode; then
     --tokens 1,64 --json "$out/decode-step.json"
   grep -E "^decode|consumer" "$out/decode-step.txt" | tail -n 8
 fi
-if has debug; then  # a one-off diagnosis script, when present (not part of the project)
-  [ -x .dev/debug.sh ] && bash .dev/debug.sh "$out" &
-fi
 if has triton; then
   stage triton 240 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/triton_gpu.py --out "$out"
   tail -n 30 "$out/triton.txt"
 fi
-wait
