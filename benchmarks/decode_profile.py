@@ -33,11 +33,11 @@ def profile_step(fn, state, weights) -> dict:
 
     from oproj_jax.bench.timing import busy_us
 
-    attn, prefix, blocks = state
-    attn, prefix = jax.block_until_ready(fn(attn, jnp.copy(prefix), blocks, weights))
+    attn, prefix, slots, blocks = state
+    carry = jax.block_until_ready(fn(attn, jnp.copy(prefix), jnp.copy(slots), blocks, weights))
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp):
-            jax.block_until_ready(fn(attn, prefix, blocks, weights))
+            jax.block_until_ready(fn(*carry, blocks, weights))
         (path,) = glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)[:1]
         data = jax.profiler.ProfileData.from_file(path)
         events = []
@@ -70,14 +70,13 @@ def main(argv=None) -> int:
     parser.add_argument("--loops", default="scan,unrolled")
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--mailbox", default="concat", choices=("concat", "update"), help="decode_step.MAILBOX")
+    parser.add_argument("--mailbox", default="carried", help="decode_step.MAILBOXES: how the mailbox is formed")
     args = parser.parse_args(argv)
 
     import jax
 
     from oproj_jax.bench import decode_step as D
 
-    D.MAILBOX = args.mailbox
     results = dict(
         label=args.label,
         mailbox=args.mailbox,
@@ -86,10 +85,10 @@ def main(argv=None) -> int:
         runs=[],
     )
     for T in (int(t) for t in args.tokens.split(",")):
-        weights, state = D.make_weights(args.layers, T), D.make_state(T)
+        weights, state = D.make_weights(args.layers, T, args.mailbox), D.make_state(T)
         for loop in args.loops.split(","):
             for backend in [None, *args.backends.split(",")]:
-                fn = D.step_fn(backend, loop, args.layers)
+                fn = D.step_fn(backend, loop, args.layers, args.mailbox)
                 try:
                     us = sorted(D.time_steps(fn, state, weights, args.reps) for _ in range(3))[1]
                     prof = profile_step(fn, state, weights)

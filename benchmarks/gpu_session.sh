@@ -1,13 +1,15 @@
 #!/bin/bash
 # A GPU session in bounded stages; pick the stages that fit one device call (10 minutes):
-#   checks   the whole test suite (-n 8) || compute-sanitizer (benchmarks/sanitize.sh) ||
-#            the cross-process peer-memory probe (benchmarks/ipc_probe.py) || the wheel in .whl/
-#            installed with pip and its GPU tests (every prebuilt cubin of the family, the
-#            contract, autodiff, backend choice), in parallel
+#   checks   the whole test suite (-n 8) || the wheel in .whl/ installed with pip and its GPU
+#            tests (every prebuilt cubin of the family, the contract, autodiff, backend choice)
+#            || with `sanitize` compute-sanitizer (benchmarks/sanitize.sh; after kernel changes)
+#            || with `ipc` the cross-process peer-memory probe (benchmarks/ipc_probe.py), in parallel
 #   record   the benchmark of record on GPU 0 (benchmarks/record.py: cute's and pallas's chain
 #            slopes in 3 processes each, median; the decode step)
 #   tp       the TP step on 2 GPUs (benchmarks/record.py --tp 2: every mode x backend, 3
 #            processes, median)
+#   tpproc   the TP step on 2 GPUs driven by 2 processes (jax.distributed, one GPU each; mode="peer"
+#            through CUDA IPC): python -m oproj_jax.bench.tp --processes 2, peer and psum
 #   decode   where the decode step's consumer share goes (benchmarks/decode_profile.py), XLA's
 #            default flags; with decode-flags also without command buffers and with WHILE in them
 #   triton   the Triton kernel's variants: checks, torch CUDA-graph and JAX timings
@@ -35,14 +37,18 @@ has() { [[ ",$stages," == *",$1,"* ]]; }
 if has checks; then
   stage tests 400 python3 -m pytest -q -p no:cacheprovider -rfEx --tb=short -n 8 --dist loadfile &
   has ipc && stage ipc 60 python3 benchmarks/ipc_probe.py --out "$out" &
-  mkdir -p "$out/sanitize"
-  bash benchmarks/sanitize.sh "$out/sanitize" 330 > "$out/sanitize.txt" 2>&1 &
+  if has sanitize; then
+    mkdir -p "$out/sanitize"
+    bash benchmarks/sanitize.sh "$out/sanitize" 330 > "$out/sanitize.txt" 2>&1 &
+  fi
   [ -d .whl ] && stage wheel 330 bash benchmarks/wheel_check.sh &
   wait
-  # one file for the four sanitizer logs (the device tool returns a few files per call)
-  for f in "$out"/sanitize/sanitize-*.txt; do echo "##### $f"; head -c 20000 "$f"; echo; done >> "$out/sanitize.txt"
-  rm -rf "$out/sanitize"
-  grep -E "^== " "$out/sanitize.txt"
+  if has sanitize; then
+    # one file for the four sanitizer logs (the device tool returns a few files per call)
+    for f in "$out"/sanitize/sanitize-*.txt; do echo "##### $f"; head -c 20000 "$f"; echo; done >> "$out/sanitize.txt"
+    rm -rf "$out/sanitize"
+    grep -E "^== " "$out/sanitize.txt"
+  fi
   tail -n 12 "$out/tests.txt"
   tail -n 8 "$out/wheel.txt"
   has ipc && tail -n 15 "$out/ipc.txt"
@@ -60,14 +66,19 @@ if has tp && [ "$gpus" -ge 2 ]; then
     --modes peer,psum --chain 4,68 --timeout 85
   tail -n 30 "$out/tp.txt"
 fi
+if has tpproc && [ "$gpus" -ge 2 ]; then
+  stage tpproc 240 python3 -m oproj_jax.bench.tp --tp 2 --processes 2 --tokens 1,8,64 --reps 15 \
+    --modes peer,psum --chain 4,68 --processes-timeout 220 --json "$out/tpproc.json"
+  grep -E "^peer|^psum|^mode|faster|exit|Error" "$out/tpproc.txt" | head -n 40
+fi
 if has decode; then
-  configurations=("default:" "update:")
+  configurations=("default:" "concat:")
   has decode-flags && configurations+=("no-cmdbuf:--xla_gpu_enable_command_buffer="
     "while:--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL")
   for cfg in "${configurations[@]}"; do
     label=${cfg%%:*}
-    mailbox=concat
-    [ "$label" = update ] && mailbox=update
+    mailbox=carried
+    [ "$label" = concat ] && mailbox=concat
     stage decode-$label 90 env CUDA_VISIBLE_DEVICES=0 XLA_FLAGS="${cfg#*:}" python3 benchmarks/decode_profile.py \
       --label "$label" --out "$out/decode-$label.json" --tokens 1,64 --backends cute --mailbox $mailbox
     grep -E "^T=" "$out/decode-$label.txt"

@@ -20,7 +20,8 @@ Modes (how the R partials reach each rank's consumer):
              a slot of every rank's mailbox (memory the handler owns) and runs the CuTe consumer
              on its own mailbox with the Lamport protocol (oproj_jax/cute/peer.py). The prefix
              bits equal oneshot's with the same `groups`, on every rank. Backend "cute" (or
-             "auto") on CUDA GPUs of this process only; anything else raises. Returns a
+             "auto") on CUDA GPUs; a TP group runs in one process or with one rank per process
+             (jax.distributed; CUDA IPC maps the mailboxes); anything else raises. Returns a
              PeerResult: the fields of ConsumerResult plus `status` (one i32 per device), checked
              on eager calls; under jit call oproj_jax.cute.peer.check_status(result.status).
 
@@ -100,8 +101,8 @@ def _plan(mesh, axis_name, mode, backend, opts: Options, dims: api.Dims, fused: 
 
 
 def _peer_plan(mesh, axis_name, backend, opts: Options, dims: api.Dims, options):
-    """Checks that mode="peer" runs here (backend cute on CUDA GPUs of this process, a supported
-    shape); returns what the jitted layout needs: (the group table, the options)."""
+    """Checks that mode="peer" runs here (backend cute on CUDA GPUs, a supported shape) and
+    connects groups that span processes; returns what the jitted layout needs: (the group table, the options)."""
     if backend not in ("auto", "cute"):
         raise ValueError(
             f"backend: mode='peer' needs backend 'cute' on CUDA GPUs (its CuTe consumer polls "
@@ -113,7 +114,9 @@ def _peer_plan(mesh, axis_name, backend, opts: Options, dims: api.Dims, options)
     reason = peer.unsupported_reason(dims, **opts.asdict())
     if reason:
         raise ValueError(f"mode: mode='peer' cannot run this call: {reason}")
-    return peer.group_table(mesh, axis_name), options
+    table = peer.group_table(mesh, axis_name)
+    peer.connect(mesh, axis_name, table, dims.T, options)  # groups across processes: map their mailboxes
+    return table, options
 
 
 def _fused_partial(attn, w_o, ranks: int) -> jax.ShapeDtypeStruct:

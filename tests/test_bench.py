@@ -4,6 +4,8 @@ harness's own pieces (prefix model, check flags, derived figures, slope)."""
 
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 import time
 import types
@@ -234,3 +236,41 @@ def test_busy_time_counts_overlapping_kernels_once():
     assert timing.busy_us(intervals) == pytest.approx(6.0)
     assert timing.busy_us([]) == 0.0
     assert timing.busy_us([(10, 20), (20, 30)]) == pytest.approx(0.02)
+
+
+def test_tp_processes_launch_every_process_and_merge_their_records(tmp_path):
+    """`--tp 2 --processes 2` starts two jax.distributed processes of this module and merges what
+    they wrote. On CPUs each process refuses (no GPUs) with a message naming the process count,
+    and the launcher reports the failure: the plumbing, not a timing (that needs 2 GPUs)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env["JAX_PLATFORMS"] = "cpu"
+    out = tmp_path / "tp.json"
+    argv = ["-m", "oproj_jax.bench.tp", "--tp", "2", "--tokens", "1", "--processes", "2", "--json", str(out)]
+    done = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 1, done.stdout + done.stderr
+    for i in (0, 1):
+        assert f"--- process {i} (exit 1) ---" in done.stdout, done.stdout
+    assert done.stdout.count("needs 2 GPUs (all of them when several processes share the mesh)") == 2, done.stdout
+    assert [r["process_index"] for r in json.loads(out.read_text())] == [0, 1]
+
+
+def test_decode_step_forms_agree_and_the_carried_mailbox_holds_the_last_partial():
+    """The decode step's loop forms compute the same thing (reference backend, 2 layers, T=1), and
+    the carried mailbox leaves the step with the last layer's partial in slot 0, the peers' slots
+    untouched."""
+    from oproj_jax.bench import decode_step as D
+
+    weights, (attn, prefix, slots, blocks) = D.make_weights(2, 1), D.make_state(1)
+    got = {
+        loop: D.step_fn("reference", loop, 2)(attn, jnp.copy(prefix), jnp.copy(slots), blocks, weights)
+        for loop in ("scan", "unrolled")
+    }
+    for a, b in zip(got["scan"], got["unrolled"]):
+        np.testing.assert_array_equal(testing.bits(a), testing.bits(b))
+    np.testing.assert_array_equal(testing.bits(got["scan"][2][1:]), testing.bits(slots[1:]))
+    assert not np.array_equal(testing.bits(got["scan"][2][0]), testing.bits(slots[0]))
+    records = D.run(["reference"], [1], layers=2, reps=1, repeats=1, log=lambda m: None, mailboxes=D.MAILBOXES)
+    assert [(r["mailbox"], r["loop"]) for r in records] == [
+        (m, loop) for m in D.MAILBOXES for loop in ("scan", "unrolled")
+    ]
+    assert all(r["us_step"] > 0 and r["us_step_without_consumer"] > 0 for r in records)

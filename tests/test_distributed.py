@@ -1,7 +1,7 @@
 """tp_consumer on a real multi-process cluster: 2 processes x 8 CPU devices over loopback.
 
 The test starts two copies of this file as workers (`python tests/test_distributed.py worker
-PROCESS_ID PORT`); they form a jax.distributed cluster with gloo CPU collectives, build one
+PROCESS_ID COUNT PORT`); they form a jax.distributed cluster with gloo CPU collectives, build one
 16-device mesh spanning both, run tp_consumer (oneshot, groups=4) on it, and each checks the
 8 shards it holds: the prefix against the unsharded reference's bits (computed locally), the
 output for identical bits across its shards and against testing.output_f64. It is skipped only
@@ -10,12 +10,12 @@ then this jax cannot run CPU collectives across processes, and the skip says why
 """
 
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from oproj_jax import processes
 
 REPO = Path(__file__).resolve().parent.parent
 PROCESSES, LOCAL_DEVICES = 2, 8
@@ -23,51 +23,21 @@ TIMEOUT_S = 240  # both workers, start to finish; a run takes ~20 s on 2 cores
 SKIP_EXIT = 77  # a worker's probe failed: no cross-process CPU collectives here
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_process_oneshot_matches_reference():
-    port = _free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}", PYTHONUNBUFFERED="1")
-    workers = [
-        subprocess.Popen(
-            [sys.executable, __file__, "worker", str(i), str(port)],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(PROCESSES)
-    ]
-    logs = []
-    try:
-        for w in workers:
-            logs.append(w.communicate(timeout=TIMEOUT_S)[0])
-    except subprocess.TimeoutExpired:
-        for w in workers:
-            w.kill()
-        pytest.fail(f"the two-process run did not finish within {TIMEOUT_S} s (port {port})")
-    finally:
-        for w in workers:
-            if w.poll() is None:
-                w.kill()
-                w.wait()
-    codes = [w.returncode for w in workers]
-    report = "\n".join(f"--- process {i} (exit {c}) ---\n{log}" for i, (c, log) in enumerate(zip(codes, logs)))
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}")
+    results = processes.run([__file__, "worker"], PROCESSES, env=env, cwd=REPO, timeout_s=TIMEOUT_S)
+    report = processes.report(results)
+    codes = [r.code for r in results]
     if SKIP_EXIT in codes:
-        reasons = [line for log in logs for line in log.splitlines() if line.startswith("SKIP:")]
+        reasons = [line for r in results for line in r.log.splitlines() if line.startswith("SKIP:")]
         pytest.skip(f"this jax cannot run CPU collectives across processes: {reasons or report}")
     assert codes == [0] * PROCESSES, report
-    for i, log in enumerate(logs):
-        assert f"process {i}: {LOCAL_DEVICES} shards match the reference bits (prefix)" in log, report
+    for i, r in enumerate(results):
+        assert f"process {i}: {LOCAL_DEVICES} shards match the reference bits (prefix)" in r.log, report
 
 
-def _worker(process_id: int, port: int) -> int:
+def _worker(process_id: int, count: int, port: int) -> int:
     import jax
 
     jax.config.update("jax_num_cpu_devices", LOCAL_DEVICES)
@@ -78,12 +48,7 @@ def _worker(process_id: int, port: int) -> int:
     from jax.sharding import PartitionSpec as P
 
     try:  # the probe: only jax, so a failure here is the platform's, not the project's
-        jax.distributed.initialize(
-            coordinator_address=f"127.0.0.1:{port}",
-            num_processes=PROCESSES,
-            process_id=process_id,
-            initialization_timeout=60,
-        )
+        processes.initialize(process_id, count, port)
         mesh = Mesh(np.array(jax.devices()), ("tp",))
         one_each = lambda index: np.ones(1, np.float32)  # noqa: E731
         ones = jax.make_array_from_callback((mesh.size,), NamedSharding(mesh, P("tp")), one_each)
@@ -137,4 +102,4 @@ def _worker(process_id: int, port: int) -> int:
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
-    sys.exit(_worker(int(sys.argv[2]), int(sys.argv[3])))
+    sys.exit(_worker(*map(int, sys.argv[2:5])))

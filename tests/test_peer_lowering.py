@@ -258,17 +258,29 @@ def test_a_manifest_without_the_publish_kernel_names_the_build(gpu_mesh_here):
     assert "no (current) publish kernel" in reason and backend.BUILD_COMMAND in reason
 
 
-def test_groups_spanning_processes_are_refused():
-    class Device:
-        def __init__(self, i, process):
-            self.local_hardware_id, self.process_index, self.id = i, process, i
+class _Device:
+    def __init__(self, id, process, ordinal):
+        self.id, self.process_index, self.local_hardware_id = id, process, ordinal
 
-    class FakeMesh:
-        axis_names = ("tp",)
-        devices = np.array([Device(0, 0), Device(0, 1)], dtype=object)
 
-    with pytest.raises(ValueError, match=r"mesh: mode='peer' needs every device of the mesh in this process"):
-        peer.group_table(FakeMesh(), "tp")
+class _FakeMesh:
+    axis_names = ("tp",)
+
+    def __init__(self, *devices):
+        self.devices = np.array(devices, dtype=object)
+
+
+def test_the_table_holds_ordinals_for_local_groups_and_device_ids_for_other_processes():
+    local = _FakeMesh(_Device(0, 0, 3), _Device(1, 0, 5))
+    assert peer.group_table(local, "tp") == ((3, 5),)
+    one_each = _FakeMesh(_Device(0, 0, 0), _Device(1, 1, 0), _Device(2, 2, 0))
+    assert peer.group_table(one_each, "tp") == ((0, -2, -3),)  # this process is 0 (jax.process_index())
+
+
+def test_a_group_with_several_ranks_in_one_of_several_processes_is_refused():
+    mixed = _FakeMesh(_Device(0, 0, 0), _Device(1, 0, 1), _Device(2, 1, 0))
+    with pytest.raises(ValueError, match=r"mesh: mode='peer' runs a TP group either in one process or with each rank"):
+        peer.group_table(mixed, "tp")
 
 
 def test_check_status():

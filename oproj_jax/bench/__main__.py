@@ -5,6 +5,7 @@
   python -m oproj_jax.bench --check                          # also check each backend first
   python -m oproj_jax.bench --decode-step --tokens 1,64      # a jitted decode step of 16 layers
   python -m oproj_jax.bench --tp 2                           # TP modes over 2 GPUs, per decode step
+  python -m oproj_jax.bench --tp 2 --processes 2             # the same, one process per GPU
 
 Prints a table: time per call, effective bandwidth (configs.min_bytes / time), % of the copy
 bandwidth measured in the same run, speedup over the reference. Progress goes to stderr.
@@ -78,6 +79,13 @@ def parse_args(argv):
         help="time the TP layer over N local GPUs: every mode x backend, per decode step (bench/tp.py)",
     )
     parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        metavar="P",
+        help="with --tp: run the mesh as P jax.distributed processes on this host, one GPU each (bench/tp.py)",
+    )
+    parser.add_argument(
         "--registration",
         choices=("record", "traced", "direct"),
         default=None,
@@ -116,7 +124,24 @@ def main(argv=None) -> int:
     if args.tp is not None:
         from oproj_jax.bench import tp
 
-        return tp.run(args.tp, args.tokens or [1, 8, 64], args.reps or 20, args.json)
+        if args.processes > 1:
+            tokens = ",".join(map(str, args.tokens or [1, 8, 64]))
+            more = ["--json", args.json] if args.json else []
+            return tp.main(
+                [
+                    "--tp",
+                    str(args.tp),
+                    "--tokens",
+                    tokens,
+                    "--reps",
+                    str(args.reps or 20),
+                    "--processes",
+                    str(args.processes),
+                    *more,
+                ]
+            )
+        tp.run(args.tp, args.tokens or [1, 8, 64], args.reps or 20, args.json)
+        return 0
     status = bench_backends.backend_status(platform)
     if args.backends == "all":
         wanted = [name for name, reason in status.items() if reason is None]

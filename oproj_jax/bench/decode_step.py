@@ -3,21 +3,31 @@
 One rank of a TP16 model, T tokens. Each layer:
 
   partial  = attn [T, H/R] @ w_o [H/R, H]                this rank's o-projection, bf16 [T, H]
-  mailbox  = [partial, others]                           [R, T, H]: its slot plus the R-1 slots
-                                                         the peers delivered (stacked per-layer inputs;
-                                                         the partial materialized first, as a
-                                                         collective would: optimization_barrier)
+  mailbox  = this rank's slot <- partial                 [R, T, H], the R-1 other slots as the
+                                                         peers delivered them (see MAILBOXES)
   prefix, output = consumer(mailbox, prefix, blocks, norm, query, out_norm)
   moe      = silu(output @ w_up [H, F]) @ w_down [F, H]  a stand-in for the MoE (F = 1024)
   attn     = moe[:, :H/R]                                the next layer's attention output
 
+The partial is materialized first (optimization_barrier), as a collective or a peer write
+would. How the mailbox is formed (`mailbox`, MAILBOXES):
+  "carried"  one [R, T, H] mailbox is part of the step's state (donated, a scan carry), and each
+             layer writes its partial into slot 0 in place: the consumer side of mode="peer",
+             whose mailbox is one buffer the peers write into directly and every layer reuses
+             (here the peers' slots keep their values; the MoE weights streamed per layer,
+             ~36 MB, keep the mailbox from staying in the 50 MB L2 between layers);
+  "concat"   [partial, others[l]]: a new [R, T, H] array per layer from stacked per-layer slots
+             (what an all-gather's output costs to assemble again, on top of the gather);
+  "update"   others[l] (stacked [R, T, H] per layer) with slot 0 overwritten: XLA copies the
+             layer's slice, then writes the slot.
+
 The layer loop is written two ways: `lax.scan` over stacked per-layer weights, and a Python
 loop (unrolled). Each is timed with the consumer and without it (the rank's own partial passed
 on as the output, the prefix untouched) in the same process, interleaved; the consumer's share
-per layer is (t_with - t_without) / L. A step is one jitted call (prefix donated); `reps` steps,
-each on the previous step's outputs, are dispatched back to back and waited for once, as a
-decode loop that keeps its state on the device runs them: the time per step is the steady
-state of host dispatch overlapping device work.
+per layer is (t_with - t_without) / L, mailbox forming included. A step is one jitted call
+(prefix and mailbox donated); `reps` steps, each on the previous step's outputs, are dispatched
+back to back and waited for once, as a decode loop that keeps its state on the device runs
+them: the time per step is the steady state of host dispatch overlapping device work.
 """
 
 from __future__ import annotations
@@ -32,16 +42,13 @@ from jax import lax
 from oproj_jax import api, configs
 
 R, H, NB, F = configs.TP, configs.HIDDEN, 8, 1024
-# How the stand-in mailbox gets this rank's slot: "concat" = [partial, others] (a new [R, T, H]
-# array each layer), "update" = the peers' slots come as a whole [R, T, H] per layer and slot 0
-# is overwritten (dynamic_update_slice: XLA copies the layer's slice, then writes the slot).
-MAILBOX = "concat"
+MAILBOXES = ("carried", "concat", "update")
 K = H // R  # this rank's slice of heads * head_dim
 EPS = 1e-6
 bf16, f32 = jnp.bfloat16, jnp.float32
 
 
-def make_weights(layers: int, T: int, seed: int = 0) -> dict:
+def make_weights(layers: int, T: int, mailbox: str = "carried", seed: int = 0) -> dict:
     """Stacked per-layer weights and peer slots on the default device (random, scaled so the
     activations stay O(1))."""
 
@@ -49,30 +56,34 @@ def make_weights(layers: int, T: int, seed: int = 0) -> dict:
     def init(key):
         k = jax.random.split(key, 7)
         normal = lambda key, shape, scale: (jax.random.normal(key, shape, f32) * scale).astype(bf16)
-        return dict(
+        weights = dict(
             w_o=normal(k[0], (layers, K, H), K**-0.5),
-            others=normal(k[1], (layers, R - 1 if MAILBOX == "concat" else R, T, H), 1.0),
             w_up=normal(k[2], (layers, H, F), H**-0.5),
             w_down=normal(k[3], (layers, F, H), F**-0.5),
             norm=(1 + normal(k[4], (layers, H), 0.1)).astype(bf16),
             query=normal(k[5], (layers, H), 1.0),
             out_norm=(1 + normal(k[6], (layers, H), 0.1)).astype(bf16),
         )
+        if mailbox != "carried":  # the peers' slots of every layer, stacked
+            weights["others"] = normal(k[1], (layers, R - 1 if mailbox == "concat" else R, T, H), 1.0)
+        return weights
 
     return init(jax.random.PRNGKey(seed))
 
 
-def make_state(T: int, seed: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(attn [T, H/R], prefix [T, H], blocks [T, NB, H]) on the default device."""
-    k = jax.random.split(jax.random.PRNGKey(seed), 3)
+def make_state(T: int, seed: int = 1) -> tuple[jax.Array, ...]:
+    """(attn [T, H/R], prefix [T, H], mailbox [R, T, H], blocks [T, NB, H]) on the default device."""
+    k = jax.random.split(jax.random.PRNGKey(seed), 4)
     attn = jax.random.normal(k[0], (T, K), f32).astype(bf16)
     prefix = jax.random.normal(k[1], (T, H), f32).astype(bf16)
-    blocks = jax.random.normal(k[2], (T, NB, H), f32).astype(bf16)
-    return attn, prefix, blocks
+    mailbox = jax.random.normal(k[2], (R, T, H), f32).astype(bf16)
+    blocks = jax.random.normal(k[3], (T, NB, H), f32).astype(bf16)
+    return attn, prefix, mailbox, blocks
 
 
-def layer(backend: str | None, attn, prefix, blocks, w):
-    """One layer (see the module docstring); backend None leaves the consumer out."""
+def layer(backend: str | None, form: str, attn, prefix, mailbox, blocks, w):
+    """One layer (see the module docstring); backend None leaves the consumer out. Returns
+    (attn, prefix, mailbox)."""
     partial = jnp.dot(attn, w["w_o"], preferred_element_type=f32).astype(bf16)  # [T, H]
     # In a TP step the partial leaves through a collective (or peer writes) before any slot is
     # read, so it is materialized by its own GEMM. Without the barrier XLA fuses this GEMM into
@@ -82,12 +93,15 @@ def layer(backend: str | None, attn, prefix, blocks, w):
     if backend is None:
         output = partial
     else:
-        if MAILBOX == "concat":
-            mailbox = jnp.concatenate([partial[None], w["others"]])  # [R, T, H]
-        else:
-            mailbox = lax.dynamic_update_index_in_dim(w["others"], partial, 0, 0)  # [R, T, H]
+        if form == "carried":
+            mailbox = lax.dynamic_update_index_in_dim(mailbox, partial, 0, 0)  # in place: a donated carry
+        slots = {
+            "carried": lambda: mailbox,
+            "concat": lambda: jnp.concatenate([partial[None], w["others"]]),
+            "update": lambda: lax.dynamic_update_index_in_dim(w["others"], partial, 0, 0),
+        }[form]()
         res = api.consumer(
-            mailbox,
+            slots,
             prefix,
             blocks,
             w["norm"],
@@ -103,51 +117,57 @@ def layer(backend: str | None, attn, prefix, blocks, w):
         prefix, output = res.prefix, res.output
     up = jnp.dot(output, w["w_up"], preferred_element_type=f32)
     moe = jnp.dot(jax.nn.silu(up).astype(bf16), w["w_down"], preferred_element_type=f32).astype(bf16)
-    return moe[:, :K], prefix
+    return moe[:, :K], prefix, mailbox
 
 
-def step_fn(backend: str | None, loop: str, layers: int):
-    """jit(step)(attn, prefix, blocks, weights) -> (attn, prefix), prefix donated."""
+def step_fn(backend: str | None, loop: str, layers: int, mailbox: str = "carried"):
+    """jit(step)(attn, prefix, mailbox, blocks, weights) -> (attn, prefix, mailbox), prefix and
+    mailbox donated."""
+    if mailbox not in MAILBOXES:
+        raise ValueError(f"mailbox: expected one of {MAILBOXES}, got {mailbox!r}")
 
-    def step(attn, prefix, blocks, weights):
+    def step(attn, prefix, slots, blocks, weights):
         if loop == "scan":
 
             def body(carry, w):
-                return layer(backend, *carry, blocks, w), None
+                return layer(backend, mailbox, *carry, blocks, w), None
 
-            (attn, prefix), _ = lax.scan(body, (attn, prefix), weights)
+            (attn, prefix, slots), _ = lax.scan(body, (attn, prefix, slots), weights)
         else:
             for i in range(layers):
-                attn, prefix = layer(backend, attn, prefix, blocks, jax.tree.map(lambda a: a[i], weights))
-        return attn, prefix
+                w = jax.tree.map(lambda a: a[i], weights)
+                attn, prefix, slots = layer(backend, mailbox, attn, prefix, slots, blocks, w)
+        return attn, prefix, slots
 
-    step.__name__ = step.__qualname__ = f"decode_{loop}_{backend or 'none'}"
-    return jax.jit(step, donate_argnums=(1,))
+    step.__name__ = step.__qualname__ = f"decode_{loop}_{backend or 'none'}_{mailbox}"
+    return jax.jit(step, donate_argnums=(1, 2))
 
 
 def time_steps(fn, state, weights, reps: int) -> float:
     """Mean wall time in us per step of `reps` dependent steps dispatched back to back."""
-    attn, prefix, blocks = state
-    attn, prefix = jax.block_until_ready(fn(attn, jnp.copy(prefix), blocks, weights))  # compile, warm
+    attn, prefix, slots, blocks = state
+    carry = jax.block_until_ready(fn(attn, jnp.copy(prefix), jnp.copy(slots), blocks, weights))  # compile, warm
     start = time.perf_counter()
     for _ in range(reps):
-        attn, prefix = fn(attn, prefix, blocks, weights)
-    jax.block_until_ready((attn, prefix))
+        carry = fn(carry[0], carry[1], carry[2], blocks, weights)
+    jax.block_until_ready(carry)
     return (time.perf_counter() - start) * 1e6 / reps
 
 
-def run(backends, tokens, layers: int = 16, reps: int = 30, repeats: int = 5, log=print) -> list[dict]:
-    """Records (kind "decode_step") per backend, T and loop form: the step time with and without
-    the consumer (medians of `repeats` interleaved measurements of `reps` steps each) and the
-    consumer's share per layer."""
+def run(
+    backends, tokens, layers: int = 16, reps: int = 30, repeats: int = 5, log=print, mailboxes=("carried", "concat")
+) -> list[dict]:
+    """Records (kind "decode_step") per mailbox form, backend, T and loop form: the step time
+    with and without the consumer (medians of `repeats` interleaved measurements of `reps`
+    steps each) and the consumer's share per layer."""
     device = getattr(jax.devices()[0], "device_kind", jax.devices()[0].platform)
     records = []
-    for T in tokens:
-        weights, state = make_weights(layers, T), make_state(T)
+    for T, form in ((T, form) for T in tokens for form in mailboxes):
+        weights, state = make_weights(layers, T, form), make_state(T)
         for loop in ("scan", "unrolled"):
-            without = step_fn(None, loop, layers)
+            without = step_fn(None, loop, layers, form)
             for backend in backends:
-                with_consumer = step_fn(backend, loop, layers)
+                with_consumer = step_fn(backend, loop, layers, form)
                 pairs = [
                     (time_steps(with_consumer, state, weights, reps), time_steps(without, state, weights, reps))
                     for _ in range(repeats)
@@ -158,6 +178,7 @@ def run(backends, tokens, layers: int = 16, reps: int = 30, repeats: int = 5, lo
                     kind="decode_step",
                     backend=backend,
                     loop=loop,
+                    mailbox=form,
                     T=T,
                     R=R,
                     NB=NB,
@@ -173,7 +194,7 @@ def run(backends, tokens, layers: int = 16, reps: int = 30, repeats: int = 5, lo
                 )
                 records.append(record)
                 log(
-                    f"decode step T={T:4d} {loop:8s} {backend:9s} {t_with:8.1f} us/step, without consumer "
+                    f"decode step T={T:4d} {form:7s} {loop:8s} {backend:9s} {t_with:8.1f} us/step, without consumer "
                     f"{t_without:8.1f} -> consumer {record['us_consumer_per_layer']:6.2f} us/layer"
                 )
         del weights, state

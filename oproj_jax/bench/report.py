@@ -90,12 +90,14 @@ def _render(table: list[tuple[str, ...]]) -> list[str]:
 def decode_step_table(records: list[dict]) -> str:
     """The decode-step records: step time with and without the consumer, its share per layer."""
     rows = sorted(
-        (r for r in records if r.get("kind") == "decode_step"), key=lambda r: (r["T"], r["loop"], r["backend"])
+        (r for r in records if r.get("kind") == "decode_step"),
+        key=lambda r: (r["T"], r.get("mailbox", ""), r["loop"], r["backend"]),
     )
-    head = ("backend", "loop", "T", "us/step", "us/step w/o", "us consumer/layer")
+    head = ("backend", "mailbox", "loop", "T", "us/step", "us/step w/o", "us consumer/layer")
     table = [head] + [
         (
             r["backend"],
+            r.get("mailbox", "concat"),
             r["loop"],
             str(r["T"]),
             _fmt(r["us_step"], ".1f"),

@@ -15,6 +15,10 @@ A failed combination becomes an "error" record and the run goes on; the JSON is 
 after every record. `--protocol-build m0` (or m3) runs mode="peer" on a grouped build instead of
 the folded one (cute.manifest.PROTOCOL_BUILD), for an A/B comparison; records name the build.
 
+`--processes N` runs the same as N jax.distributed processes on this host, one GPU each (the
+mesh spans them; mode="peer" maps the mailboxes through CUDA IPC): every process times its own
+view of each step, and the records carry `processes` and `process_index`.
+
 `run(n_ranks, tokens, reps, json_path)` is what `python -m oproj_jax.bench --tp N` calls.
 """
 
@@ -32,7 +36,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from oproj_jax import configs
+from oproj_jax import configs, processes
 from oproj_jax.bench import timing
 from oproj_jax.cute import manifest, peer
 from oproj_jax.sharded import tp_consumer
@@ -86,6 +90,11 @@ def _chain(mesh, mode: str, backend: str, k: int, config: configs.Config):
     return jax.jit(chain, keep_unused=True)
 
 
+def _global(value: np.ndarray, sharding):
+    """A global array from a value every process holds (seeded): works across processes too."""
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
 def _inputs(mesh, config: configs.Config, seed: int):
     """N_LISTS argument tuples, each with K2 distinct partials and blocks (device copies of
     random data, shifted per copy so no two buffers are equal)."""
@@ -93,14 +102,14 @@ def _inputs(mesh, config: configs.Config, seed: int):
     shard = NamedSharding(mesh, P("tp"))
     replicated = NamedSharding(mesh, P())
     put = jax.jit(lambda a, s: (a.astype(jnp.float32) * (1 + s / 64)).astype(jnp.bfloat16))  # keeps a's sharding
-    partial = jax.device_put(x["mailbox"], shard)
-    blocks = jax.device_put(x["blocks"], replicated)
+    partial = _global(x["mailbox"], shard)
+    blocks = _global(x["blocks"], replicated)
     lists = []
     for j in range(N_LISTS):
         partials = [put(partial, jnp.float32(j * K2 + i)) for i in range(K2)]
         block_sets = [put(blocks, jnp.float32(j * K2 + i)) for i in range(K2)]
         lists.append(
-            (partials, block_sets, *(jax.device_put(x[k], replicated) for k in ("prefix", "norm", "query", "out_norm")))
+            (partials, block_sets, *(_global(x[k], replicated) for k in ("prefix", "norm", "query", "out_norm")))
         )
     jax.block_until_ready(lists)
     return lambda i: lists[i % N_LISTS]
@@ -109,18 +118,23 @@ def _inputs(mesh, config: configs.Config, seed: int):
 def time_combo(mesh, mode: str, backend: str, config: configs.Config, reps: int, profile: bool) -> dict:
     fn1, fn2 = (_chain(mesh, mode, backend, k, config) for k in (K1, K2))
     args_of = _inputs(mesh, config, seed=config.T)
+    if mode == "peer":  # fail fast (a few timeouts, not a whole timing) when a rank cannot take part
+        peer.check_status(fn1(*args_of(0))[2])
     us, t1, t2, noise = timing.slope(fn1, fn2, args_of, K1, K2, reps)
     if mode == "peer":  # the timed steps must have been real ones
         peer.check_status(fn2(*args_of(0))[2])
     us_kernels = note = None
     if profile:
         _, note, kernels, _ = timing.profiled_us_per_call(fn2, args_of, K2)
-        us_kernels = None if kernels is None else kernels / config.R
+        mine = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+        us_kernels = None if kernels is None else kernels / mine  # this process's GPUs' kernels per step
     return dict(
         kind="timing",
         backend=backend,
         mode=mode,
         gpus=config.R,
+        processes=jax.process_count(),
+        process_index=jax.process_index(),
         **timing.shape_fields(config),
         protocol_build=manifest.build_for(config.T, False).tag if mode == "peer" else None,
         us=us,
@@ -140,6 +154,15 @@ def time_combo(mesh, mode: str, backend: str, config: configs.Config, reps: int,
     )
 
 
+def _together(what: str, timeout_s: float = 600) -> None:
+    """With several processes: every process starts the same combination at once (one that
+    failed in one process must not leave the others timing something else)."""
+    if jax.process_count() > 1:
+        from jax._src import distributed
+
+        distributed.global_state.client.wait_at_barrier(f"oproj_jax/bench.tp/{what}", int(timeout_s * 1000))
+
+
 def _write(records, json_path) -> None:
     if json_path:
         with open(json_path, "w") as f:
@@ -157,10 +180,11 @@ def run(
 ) -> list[dict]:
     """Times every (mode, backend) of `combos` at every T of `tokens` on the first `n_ranks`
     GPUs; returns the records (also written to `json_path` after each one)."""
-    gpus = jax.devices()
-    if gpus[0].platform != "gpu" or len(gpus) < n_ranks:
+    gpus = jax.devices()  # every process's: the mesh spans them all when there are several
+    if gpus[0].platform != "gpu" or len(gpus) < n_ranks or (jax.process_count() > 1 and len(gpus) != n_ranks):
         raise RuntimeError(
-            f"--tp {n_ranks}: needs {n_ranks} GPUs in this process, found {len(gpus)} {gpus[0].platform} device(s)"
+            f"--tp {n_ranks}: needs {n_ranks} GPUs (all of them when several processes share the mesh), found "
+            f"{len(gpus)} {gpus[0].platform} device(s) in {jax.process_count()} process(es)"
         )
     mesh = Mesh(np.array(gpus[:n_ranks]), ("tp",))
     records = []
@@ -168,6 +192,7 @@ def run(
         for T in tokens:
             config = configs.Config(n_ranks, T, NB, groups=GROUPS)
             what = f"{mode}/{backend} T={T}"
+            _together(what)
             try:
                 record = time_combo(mesh, mode, backend, config, reps, profile)
                 log(f"{what}: {record['us']:.2f} us/step (kernels {record['us_kernels']})")
@@ -178,6 +203,8 @@ def run(
                     mode=mode,
                     T=T,
                     gpus=n_ranks,
+                    processes=jax.process_count(),
+                    process_index=jax.process_index(),
                     record=True,
                     what=f"timing {what}",
                     error=f"{type(err).__name__}: {err}"[:2000],
@@ -228,7 +255,27 @@ def main(argv=None) -> int:
         help="chain lengths K1,K2 of the slope (default %(default)s); more steps between them average "
         "out more of the host's jitter per execution",
     )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="run the mesh as this many jax.distributed processes on this host, one GPU each (--tp of them); "
+        "every process times its own view and the records say which (default %(default)s)",
+    )
+    parser.add_argument(
+        "--processes-timeout",
+        type=float,
+        default=3600,
+        help="with --processes: seconds before the processes are stopped and their output reported",
+    )
+    parser.add_argument("--as-process", type=int, nargs=3, metavar=("ID", "COUNT", "PORT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.processes > 1 and args.as_process is None:
+        return _launch(list(sys.argv[1:] if argv is None else argv), args.processes, args.json, args.processes_timeout)
+    if args.as_process is not None:
+        pid, count, port = args.as_process
+        processes.initialize(pid, count, port, local_device_ids=[pid])
+        args.json = f"{args.json or 'bench_tp.json'}.process{pid}"
     manifest.PROTOCOL_BUILD = manifest.parse_build(args.protocol_build)  # read when the calls are traced
     try:
         k1, k2 = (int(k) for k in args.chain.split(","))
@@ -247,6 +294,25 @@ def main(argv=None) -> int:
     combos = tuple(c for c in COMBOS if modes is None or c[0] in modes)
     run(args.tp, tokens, args.reps, args.json, combos=combos, profile=not args.no_profile)
     return 0
+
+
+def _launch(argv: list[str], count: int, json_path: str | None, timeout_s: float) -> int:
+    """Runs this module in `count` processes of one jax.distributed cluster (one GPU each) and
+    merges their records into `json_path`; prints each process's output."""
+    target = json_path or "bench_tp.json"
+    if json_path is None:
+        argv = argv + ["--json", target]
+    results = processes.run(["-m", "oproj_jax.bench.tp", *argv, "--as-process"], count, timeout_s=timeout_s)
+    records = []
+    for i, r in enumerate(results):
+        print(f"--- process {i} (exit {r.code}) ---\n{r.log}", flush=True)
+        try:
+            with open(f"{target}.process{i}") as f:
+                records.extend(json.load(f))
+        except OSError as err:
+            records.append(dict(kind="error", process_index=i, record=True, error=f"no records: {err}"))
+    _write(records, target)
+    return 0 if all(r.code == 0 for r in results) else 1
 
 
 if __name__ == "__main__":

@@ -136,7 +136,7 @@ def load_library() -> ctypes.CDLL:
 
 def _cuda_devices() -> list:
     try:
-        return jax.devices("cuda")
+        return jax.local_devices(backend="cuda")  # the bootstrap runs here: an addressable device
     except RuntimeError:
         return []
 

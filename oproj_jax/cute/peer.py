@@ -39,10 +39,15 @@ Bits: every rank sums the same R slots in the same rank/group order as mode="one
 the same `groups` (the grouped build sums exactly as the folded build ready mode uses), so the
 prefix is bit-identical to oneshot's on every rank, and the output too (same kernel arithmetic).
 
-Limits: R <= 16 (the publish kernel's destinations); every device of the mesh must belong to
-this process (cross-process groups, e.g. one process per GPU with jax.distributed, are not
-supported: their mailboxes would need CUDA IPC handles exchanged between the processes); CUDA
-GPUs with peer access between every pair of the group.
+Processes: a group runs either in one process driving all its GPUs, or with one rank per
+process (jax.distributed, one process per GPU): then each process allocates its own rank's
+mailbox and maps the others' through CUDA IPC handles exchanged in jax.distributed's key-value
+store when the step is traced (peer_ipc.py). A group with several ranks in one process and
+others elsewhere is refused.
+
+Limits: R <= 16 (the publish kernel's destinations); CUDA GPUs with peer access between every
+pair of the group (NVLink or PCIe peer-to-peer), and for groups across processes CUDA IPC
+between them.
 
 What only a GPU run covers: the publish kernel, the FFI handler (allocation, peer access, the
 record stage inside XLA command buffers), the cross-GPU ordering and the timeouts
@@ -61,7 +66,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from oproj_jax.api import Dims
-from oproj_jax.cute import backend, ffi
+from oproj_jax.cute import backend, ffi, peer_ipc
 from oproj_jax.cute import manifest as cute_manifest
 from oproj_jax.options import Options
 
@@ -88,15 +93,21 @@ class PeerOptions:
         on an empty slot, or the publish kernel on a slot its owner has not re-armed, and
         reports it; an int in [1, 2**31), no "forever". The default (one second) is far above
         the skew between ranks' launches, even on a first call that allocates the mailboxes.
+    connect_timeout_s: seconds each process waits, when it traces a step of a group spanning
+        processes, for the other processes' mailbox handles (they trace the same step); > 0.
     skip_publish_rank: TESTS ONLY. That rank publishes nothing, so every rank's consumer times
         out: how the GPU tests check that a missing rank becomes an error in bounded time.
     """
 
     timeout_us: int = backend.DEFAULT_TIMEOUT_US
+    connect_timeout_s: float = 300.0
     skip_publish_rank: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "timeout_us", backend.check_timeout_us(self.timeout_us))
+        wait = self.connect_timeout_s
+        if isinstance(wait, bool) or not isinstance(wait, (int, float, np.integer, np.floating)) or not wait > 0:
+            raise ValueError(f"connect_timeout_s: expected seconds > 0, got {wait!r}")
         skip = self.skip_publish_rank
         if skip is not None and (isinstance(skip, bool) or not isinstance(skip, (int, np.integer)) or skip < 0):
             raise ValueError(f"skip_publish_rank: expected None or a rank >= 0, got {skip!r}")
@@ -154,21 +165,21 @@ def unsupported_reason(dims: Dims, **options) -> str | None:
 
 
 def group_table(mesh, axis_name: str) -> tuple[tuple[int, ...], ...]:
-    """The TP groups of `mesh` along `axis_name` as CUDA ordinals: one row per group (every
-    combination of the other mesh axes), rank order along the row. Every device must belong
-    to this process: the handler maps the group's memory by ordinal, in this process only."""
-    me = jax.process_index()
+    """The TP groups of `mesh` along `axis_name` as the FFI handler sees them from this process:
+    one row per group (every combination of the other mesh axes), rank order along the row. A
+    group of this process's devices holds their CUDA ordinals (the handler maps its memory by
+    ordinal); a group spanning processes (one rank per process) holds this process's device's
+    CUDA ordinal and -(1 + device id) for the others (peer_ipc.connect maps their mailboxes)."""
     devices = mesh.devices
-    foreign = sorted({d.process_index for d in devices.flat if d.process_index != me})
-    if foreign:
-        raise ValueError(
-            f"mesh: mode='peer' needs every device of the mesh in this process (one process driving all local "
-            f"GPUs); devices of process(es) {foreign} are in it. Cross-process groups are not supported: use "
-            f"mode='oneshot' there"
-        )
     axis = mesh.axis_names.index(axis_name)
     rows = np.moveaxis(devices, axis, -1).reshape(-1, devices.shape[axis])
-    return tuple(tuple(int(d.local_hardware_id) for d in row) for row in rows)
+    return tuple(peer_ipc.encode_row(row, jax.process_index()) for row in rows)
+
+
+def connect(mesh, axis_name: str, table, tokens: int, options: PeerOptions) -> None:
+    """Maps the mailboxes of every group of `table` that spans processes (once per group, T and
+    process; a no-op for groups of one process). Every process of such a group must call it."""
+    peer_ipc.connect(mesh, axis_name, table, tokens, options.connect_timeout_s)
 
 
 # ---- the call ---------------------------------------------------------------------------------
@@ -238,28 +249,62 @@ def check_status(status) -> None:
     the mesh, in mesh order; on a 1-D mesh the rank) is nonzero: a slot stayed empty for
     timeout_us microseconds (a rank did not publish in time), or a peer's slot was not
     re-armed within timeout_us microseconds (its previous consumer did not run in time), so the
-    outputs of that step are not valid. Reading it waits for the step to finish."""
-    words = np.asarray(status).reshape(-1)
-    failed = [int(r) for r in np.flatnonzero(words)]
+    outputs of that step are not valid. Reading it waits for the step to finish. With several
+    processes each checks the words of its own devices (a missing rank stalls every rank)."""
+    words = dict(_status_words(status))
+    failed = sorted(r for r, word in words.items() if word)
     if failed:
-        what = ", ".join(describe_status(c) for c in sorted({int(words[r]) for r in failed}))
+        what = ", ".join(describe_status(c) for c in sorted({words[r] for r in failed}))
         raise RuntimeError(
             f"mode='peer': the step on mesh device(s) {failed} gave up polling ({what}); the outputs of that step are "
             f"not valid. Call oproj_jax.cute.peer.reset() (with no call in flight) before the next peer step"
         )
 
 
-def reset() -> None:
-    """Re-arms every group's mailboxes (and zeroes their control blocks). Needed after a step
-    that reported a nonzero status: a late rank may have written a slot nobody will consume,
-    which the next step would read as its own. Call only with no peer call in flight on any
-    device (jax.block_until_ready on everything first). Without any group allocated: a no-op."""
+def _status_words(status):
+    """(mesh position, word) of every status word this process holds."""
+    if isinstance(status, jax.Array) and not status.is_fully_addressable:
+        for shard in status.addressable_shards:
+            start = shard.index[0].start or 0
+            for i, word in enumerate(np.asarray(shard.data).reshape(-1)):
+                yield start + i, int(word)
+        return
+    yield from enumerate(int(w) for w in np.asarray(status).reshape(-1))
+
+
+_resets = 0  # reset() calls in this process: names its barriers (the same count in every process)
+
+
+def reset(timeout_s: float = 300.0) -> None:
+    """Re-arms the mailboxes this process owns (and zeroes their control blocks). Needed after a
+    step that reported a nonzero status: a late rank may have written a slot nobody will
+    consume, which the next step would read as its own. Call only with no peer call in flight
+    on any device (jax.block_until_ready on everything first). With several processes
+    (jax.distributed) call it in every process: it waits (at most `timeout_s` seconds) for all
+    of them before re-arming, so no step is in flight anywhere, and after, so no rank publishes
+    into a slot that is still to be re-armed. Without any group allocated: a no-op here."""
+    global _resets
+    client = _distributed_client()
+    _resets += 1
+    if client is not None:
+        client.wait_at_barrier(f"oproj_jax/peer/reset/{_resets}/before", int(timeout_s * 1000))
     library = ffi.load_library()
     message = ctypes.create_string_buffer(1024)
     fn = getattr(library, RESET_SYMBOL)
     fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_char_p, ctypes.c_size_t]
     if fn(message, len(message)) != 0:
         raise RuntimeError(f"oproj_jax.cute.peer.reset: {message.value.decode(errors='replace')}")
+    if client is not None:
+        client.wait_at_barrier(f"oproj_jax/peer/reset/{_resets}/after", int(timeout_s * 1000))
+
+
+def _distributed_client():
+    """jax.distributed's client when this is one of several processes, else None."""
+    if jax.process_count() == 1:
+        return None
+    from jax._src import distributed
+
+    return distributed.global_state.client
 
 
 def group_count() -> int:

@@ -46,6 +46,10 @@ struct Driver {
   decltype(&::cuStreamCreate) StreamCreate = nullptr;
   decltype(&::cuStreamSynchronize) StreamSynchronize = nullptr;
   decltype(&::cuStreamDestroy) StreamDestroy = nullptr;
+  // mode="peer" across processes: a rank's mailbox exported and mapped by legacy CUDA IPC
+  decltype(&::cuIpcGetMemHandle) IpcGetMemHandle = nullptr;
+  decltype(&::cuIpcOpenMemHandle) IpcOpenMemHandle = nullptr;
+  decltype(&::cuIpcCloseMemHandle) IpcCloseMemHandle = nullptr;
   std::string error;  // empty when every symbol resolved
 
   Driver() {
@@ -79,6 +83,9 @@ struct Driver {
     resolve(StreamCreate, "cuStreamCreate");
     resolve(StreamSynchronize, "cuStreamSynchronize");
     resolve(StreamDestroy, "cuStreamDestroy_v2");
+    resolve(IpcGetMemHandle, "cuIpcGetMemHandle");
+    resolve(IpcOpenMemHandle, "cuIpcOpenMemHandle_v2");
+    resolve(IpcCloseMemHandle, "cuIpcCloseMemHandle");
   }
 };
 

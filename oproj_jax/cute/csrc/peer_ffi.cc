@@ -135,8 +135,9 @@ struct Key {
 };
 
 struct Mailboxes {
-  std::vector<CUcontext> contexts;  // per rank: its device's primary context
+  std::vector<CUcontext> contexts;  // per rank: the primary context its base is mapped in
   std::vector<CUdeviceptr> base;    // per rank: the mailbox [R, T, H] bf16, then the control block
+  std::vector<bool> owned;          // per rank: allocated here (armed and reset here), else mapped by IPC
   size_t mailbox_bytes = 0;         // R * T * H * 2 (a multiple of 256: the control block is aligned)
 };
 
@@ -163,6 +164,7 @@ class ScopedContext {
 // re-arms, so a device-wide synchronization could stall until their spin limit.
 ffi::Error Arm(Mailboxes& m) {
   for (size_t r = 0; r < m.base.size(); ++r) {
+    if (!m.owned[r]) continue;  // another process's mailbox: its owner arms it
     ScopedContext scope(m.contexts[r]);
     if (scope.result()) return CudaError(scope.result(), kTarget, "cuCtxPushCurrent");
     CUstream stream = nullptr;
@@ -228,6 +230,7 @@ ffi::Error Allocate(const Key& key, Mailboxes& m) {
       return CudaError(e, kTarget, "cuMemAlloc (" + std::to_string(bytes) + " bytes of mailbox)");
     }
     m.base.push_back(ptr);
+    m.owned.push_back(true);
   }
   if (auto error = Arm(m); error.failure()) {
     release();
@@ -249,6 +252,10 @@ ffi::ErrorOr<Route> GetRoute(const Key& key, size_t me) {
   std::lock_guard<std::mutex> lock(groups_mutex);
   auto it = groups.find(key);
   if (it == groups.end()) {
+    if (std::any_of(key.ordinals.begin(), key.ordinals.end(), [](int64_t o) { return o < 0; }))
+      return Invalid(
+          "mode='peer': this group spans processes and its mailboxes are not connected in this process "
+          "(oproj_jax.cute.peer_ipc.connect, which tp_consumer runs when it traces a step, exchanges them)");
     Mailboxes fresh;
     if (auto error = Allocate(key, fresh); error.failure()) return error;
     it = groups.emplace(key, std::move(fresh)).first;
@@ -608,6 +615,127 @@ extern "C" int OprojPeerReset(char* message, size_t size) {
       std::snprintf(message, size, "%s", error.message().c_str());
       return -1;
     }
+  return 0;
+}
+
+// ---- groups across processes (one process per GPU) -----------------------------------------------
+// A group whose devices belong to several processes (jax.distributed, one process per GPU) has
+// one rank here. Its table row holds this device's CUDA ordinal and -(1 + global device id) for
+// every other rank (oproj_jax/cute/peer_ipc.py). Python connects it when it traces a step, before
+// any call: OprojPeerExport allocates and arms this rank's mailbox and returns its legacy CUDA
+// IPC handle (64 bytes); the processes exchange the handles through jax.distributed's key-value
+// store; OprojPeerImport maps every other rank's mailbox into this device's context
+// (cuIpcOpenMemHandle, peer access enabled lazily) and registers the group, after which the FFI
+// stages find it like a group of this process. The protocol is unchanged: the addresses are
+// other GPUs' memory either way, and each process arms and resets only its own mailbox (the
+// owner of slot data is still the only one to re-arm it). A handle is published only after its
+// mailbox is armed and the arming has completed, so no peer can see an unarmed slot.
+namespace {
+
+struct Exported {
+  CUcontext context = nullptr;
+  CUdeviceptr base = 0;
+  CUipcMemHandle handle{};
+  size_t mailbox_bytes = 0;
+};
+std::map<Key, Exported> exported;  // under groups_mutex; never erased, like `groups`
+
+int Report(char* message, size_t size, const std::string& text) {
+  std::snprintf(message, size, "%s", text.c_str());
+  return -1;
+}
+
+// The row's key and this device's rank in it, or a message.
+std::string RowKey(int32_t ordinal, const int64_t* row, int64_t ranks, int64_t tokens, Key& key, size_t& me) {
+  if (ranks < 1 || ranks > kMaxRanks) return "ranks: expected 1..16, got " + std::to_string(ranks);
+  if (tokens < 1 || tokens > 65535) return "tokens: expected 1..65535, got " + std::to_string(tokens);
+  key = Key{std::vector<int64_t>(row, row + ranks), tokens, ranks};
+  if (std::count(key.ordinals.begin(), key.ordinals.end(), int64_t(ordinal)) != 1)
+    return "row: expected CUDA ordinal " + std::to_string(ordinal) + " exactly once";
+  me = size_t(std::find(key.ordinals.begin(), key.ordinals.end(), int64_t(ordinal)) - key.ordinals.begin());
+  if (!driver().error.empty()) return "the CUDA driver is unavailable: " + driver().error;
+  return "";
+}
+
+}  // namespace
+
+// Allocates and arms this rank's mailbox of the cross-process group `row` (R entries: this
+// device's CUDA ordinal, -(1 + id) for the other ranks) for T tokens and writes its IPC handle
+// (64 bytes) to `handle`. Called again for the same group: the same handle, nothing allocated.
+// Returns 0, or -1 with the reason in `message`.
+extern "C" int OprojPeerExport(int32_t ordinal, const int64_t* row, int64_t ranks, int64_t tokens,
+                               unsigned char* handle, char* message, size_t size) {
+  Key key;
+  size_t me = 0;
+  if (auto bad = RowKey(ordinal, row, ranks, tokens, key, me); !bad.empty()) return Report(message, size, bad);
+  std::lock_guard<std::mutex> lock(groups_mutex);
+  auto it = exported.find(key);
+  if (it == exported.end()) {
+    Mailboxes own;
+    own.mailbox_bytes = size_t(ranks) * size_t(tokens) * size_t(kHidden) * 2;
+    CUdevice device = 0;
+    CUcontext context = nullptr;
+    if (CUresult e = driver().DeviceGet(&device, ordinal)) return Report(message, size, CudaError(e, kTarget, "cuDeviceGet").message());
+    if (CUresult e = driver().DevicePrimaryCtxRetain(&context, device))
+      return Report(message, size, CudaError(e, kTarget, "cuDevicePrimaryCtxRetain").message());
+    ScopedContext scope(context);
+    if (scope.result()) return Report(message, size, CudaError(scope.result(), kTarget, "cuCtxPushCurrent").message());
+    CUdeviceptr base = 0;
+    if (CUresult e = driver().MemAlloc(&base, own.mailbox_bytes + kControlBytes))
+      return Report(message, size, CudaError(e, kTarget, "cuMemAlloc (mailbox)").message());
+    own.contexts = {context};
+    own.base = {base};
+    own.owned = {true};
+    CUipcMemHandle ipc{};
+    ffi::Error error = Arm(own);
+    if (error.success())
+      if (CUresult e = driver().IpcGetMemHandle(&ipc, base)) error = CudaError(e, kTarget, "cuIpcGetMemHandle");
+    if (error.failure()) {
+      driver().MemFree(base);
+      return Report(message, size, error.message());
+    }
+    it = exported.emplace(key, Exported{context, base, ipc, own.mailbox_bytes}).first;
+  }
+  std::memcpy(handle, it->second.handle.reserved, CU_IPC_HANDLE_SIZE);
+  return 0;
+}
+
+// Maps every other rank's mailbox of the group (`handles`: R * 64 bytes, rank order; this rank's
+// entry is ignored) into this device's context and registers the group for the FFI stages.
+// Needs OprojPeerExport of the same group first. Called again once registered: nothing to do.
+// Returns 0, or -1 with the reason in `message` (then nothing stays mapped).
+extern "C" int OprojPeerImport(int32_t ordinal, const int64_t* row, int64_t ranks, int64_t tokens,
+                               const unsigned char* handles, char* message, size_t size) {
+  Key key;
+  size_t me = 0;
+  if (auto bad = RowKey(ordinal, row, ranks, tokens, key, me); !bad.empty()) return Report(message, size, bad);
+  std::lock_guard<std::mutex> lock(groups_mutex);
+  if (groups.count(key)) return 0;
+  auto it = exported.find(key);
+  if (it == exported.end()) return Report(message, size, "this rank's mailbox was not exported (OprojPeerExport) first");
+  const Exported& own = it->second;
+  Mailboxes m;
+  m.mailbox_bytes = own.mailbox_bytes;
+  m.contexts.assign(size_t(ranks), own.context);
+  m.base.assign(size_t(ranks), 0);
+  m.owned.assign(size_t(ranks), false);
+  ScopedContext scope(own.context);
+  if (scope.result()) return Report(message, size, CudaError(scope.result(), kTarget, "cuCtxPushCurrent").message());
+  for (size_t r = 0; r < size_t(ranks); ++r) {
+    if (r == me) {
+      m.base[r] = own.base, m.owned[r] = true;
+      continue;
+    }
+    CUipcMemHandle ipc{};
+    std::memcpy(ipc.reserved, handles + r * CU_IPC_HANDLE_SIZE, CU_IPC_HANDLE_SIZE);
+    if (CUresult e = driver().IpcOpenMemHandle(&m.base[r], ipc, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)) {
+      for (size_t q = 0; q < r; ++q)
+        if (q != me) driver().IpcCloseMemHandle(m.base[q]);
+      return Report(message, size,
+                    CudaError(e, kTarget, "cuIpcOpenMemHandle (rank " + std::to_string(r) + "'s mailbox)").message());
+    }
+  }
+  groups.emplace(key, std::move(m));
   return 0;
 }
 
