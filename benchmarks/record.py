@@ -46,18 +46,22 @@ def bench(args: list[str], timeout: float, module: str = "oproj_jax.bench") -> t
 
 
 def merge(runs: list[list[dict]]) -> list[dict]:
-    """One record per (mode, backend, T): the median slope over the processes that timed it
-    (mode: the TP layout of a --tp run; None for a single-GPU run)."""
+    """One record per (mode, backend, T[, process_index]): the median slope over the runs that
+    timed it (mode: the TP layout of a --tp run, None for a single-GPU run; process_index: the
+    view of one process of a mesh spanning several, None when one process drives the mesh)."""
     by_key: dict[tuple, list[dict]] = {}
     for records in runs:
         for r in records:
             if r.get("kind") == "timing":
-                by_key.setdefault((r.get("mode") or "", r["backend"], r["T"]), []).append(r)
+                view = r["process_index"] if r.get("processes", 1) > 1 else -1
+                by_key.setdefault((r.get("mode") or "", r["backend"], r["T"], view), []).append(r)
     merged = []
-    for (mode, backend, T), rs in sorted(by_key.items(), key=lambda kv: (kv[0][2], kv[0][0], kv[0][1])):
+    for (mode, backend, T, view), rs in sorted(by_key.items(), key=lambda kv: (kv[0][2], kv[0][0], kv[0][1], kv[0][3])):
         kernels = [r["us_kernels"] for r in rs if r.get("us_kernels") is not None]
         first = rs[0]
         tp = dict(mode=mode, gpus=first.get("gpus")) if mode else {}
+        if view >= 0:
+            tp.update(processes=first["processes"], process_index=view)
         merged.append(
             dict(
                 kind="timing",
@@ -76,7 +80,7 @@ def merge(runs: list[list[dict]]) -> list[dict]:
                 device=first["device"],
                 date=first.get("date"),
                 bytes=first.get("bytes"),
-                method=f"median over {len(rs)} processes of: {first['method']}; us_kernels: the profiler's kernel time "
+                method=f"median over {len(rs)} runs of: {first['method']}; us_kernels: the profiler's kernel time "
                 "per call in the chain",
             )
         )
@@ -96,12 +100,20 @@ def main(argv=None) -> int:
     parser.add_argument("--tp", type=int, default=0, help="time the TP step on this many GPUs instead")
     parser.add_argument("--modes", default=None, help="with --tp: only these modes, comma-separated")
     parser.add_argument("--chain", default=None, help="with --tp: chain lengths K1,K2 (bench.tp --chain)")
+    parser.add_argument(
+        "--tp-processes",
+        type=int,
+        default=1,
+        help="with --tp: the mesh as this many jax.distributed processes, one GPU each (bench.tp --processes); "
+        "each process's view is kept apart (process_index)",
+    )
     args = parser.parse_args(argv)
 
     if args.tp:
         module, common = "oproj_jax.bench.tp", ["--tp", str(args.tp), "--tokens", args.tokens, "--reps", str(args.reps)]
         common += ["--modes", args.modes] if args.modes else []
         common += ["--chain", args.chain] if args.chain else []
+        common += ["--processes", str(args.tp_processes)] if args.tp_processes > 1 else []
         args.decode_tokens = ""
     else:
         module, common = (
@@ -144,8 +156,9 @@ def main(argv=None) -> int:
     for r in records:
         if r.get("kind") == "timing":
             runs_text = "/".join(f"{u:.2f}" for u in r["us_runs"])
+            view = f" p{r['process_index']}" if "process_index" in r else ""
             print(
-                f"{(r.get('mode', '') + '/' + r['backend']).strip('/'):16s} {r['T']:5d} {r['us']:12.2f}  {runs_text:24s} "
+                f"{(r.get('mode', '') + '/' + r['backend']).strip('/') + view:16s} {r['T']:5d} {r['us']:12.2f}  {runs_text:24s} "
                 f"{r['us_kernels'] if r['us_kernels'] is None else round(r['us_kernels'], 2)!s:>10s}"
             )
         elif r.get("kind") == "decode_step":

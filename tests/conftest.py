@@ -67,3 +67,14 @@ def fake_ready_cubins(directory, key, *, entry="k", dynamic_smem_bytes=1000) -> 
     sealed = manifest.seal(dict(arch="sm_90a", cutlass_dsl="4.8.1", H=configs.HIDDEN, kernels=[kernel]), directory)
     (directory / manifest.MANIFEST).write_text(json.dumps(sealed))
     return kernel
+
+
+def gpus_or_skip(count: int) -> list:
+    """This process's CUDA GPUs when there are at least `count`, else the test is skipped."""
+    reason = gpu_platform_reason()
+    if reason:
+        pytest.skip(reason)
+    gpus = jax.devices("gpu")
+    if len(gpus) < count:
+        pytest.skip(f"needs {count} GPUs, found {len(gpus)}")
+    return gpus

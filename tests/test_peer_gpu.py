@@ -27,6 +27,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from conftest import gpus_or_skip
+
 from oproj_jax import configs, testing
 from oproj_jax.cute import peer
 from oproj_jax.sharded import tp_consumer, tp_oproj_consumer
@@ -36,12 +38,7 @@ R = 2
 
 @pytest.fixture(scope="module")
 def mesh():
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError as err:
-        pytest.skip(f"no CUDA GPU on this machine ({err})")
-    if len(gpus) < R:
-        pytest.skip(f"mode='peer' needs {R} GPUs in this process, found {len(gpus)}")
+    gpus = gpus_or_skip(R)
     reason = peer.unavailable_reason(gpus[0].platform)
     if reason:
         pytest.fail(f"GPUs present but mode='peer' cannot run: {reason}")

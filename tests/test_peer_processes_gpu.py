@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
+
+from conftest import gpus_or_skip
 
 from oproj_jax import processes
 
@@ -31,14 +32,7 @@ CHAIN_STEPS, CHAIN_EXECUTIONS = 4, 3
 
 
 def test_peer_mode_with_one_process_per_gpu():
-    import jax
-
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError as err:
-        pytest.skip(f"no CUDA GPU on this machine ({err})")
-    if len(gpus) < R:
-        pytest.skip(f"needs {R} GPUs, found {len(gpus)}")
+    gpus_or_skip(R)
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "CUDA_VISIBLE_DEVICES")}
     env.update(PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}", XLA_PYTHON_CLIENT_PREALLOCATE="false")
     results = processes.run([__file__, "worker"], R, env=env, cwd=REPO, timeout_s=TIMEOUT_S)

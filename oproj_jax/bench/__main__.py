@@ -72,6 +72,12 @@ def parse_args(argv):
     )
     parser.add_argument("--layers", type=int, default=16, help="layers per decode step (default %(default)s)")
     parser.add_argument(
+        "--mailboxes",
+        default="carried,concat",
+        help="with --decode-step: how each layer's mailbox is formed, comma-separated "
+        "(bench/decode_step.py MAILBOXES; default %(default)s)",
+    )
+    parser.add_argument(
         "--tp",
         type=int,
         default=None,
@@ -102,6 +108,11 @@ def parse_args(argv):
     ):
         if value < lo or (hi is not None and value > hi):
             parser.error(f"{name}: expected {lo}..{hi if hi is not None else 'inf'}, got {value}")
+    from oproj_jax.bench.decode_step import MAILBOXES
+
+    unknown = set(args.mailboxes.split(",")) - set(MAILBOXES)
+    if unknown:
+        parser.error(f"--mailboxes: expected some of {','.join(MAILBOXES)}, got {args.mailboxes!r}")
     if args.reps is not None and args.reps < 1:
         parser.error(f"--reps: expected >= 1, got {args.reps}")
     return args
@@ -187,6 +198,7 @@ def main(argv=None) -> int:
             layers=args.layers,
             reps=args.reps or 30,
             log=lambda m: print(m, file=sys.stderr, flush=True),
+            mailboxes=args.mailboxes.split(","),
         )
         print(report.decode_step_table(records))
         if args.json:

@@ -1,7 +1,9 @@
 // mode="peer": the TP all-reduce by peer writes into mailboxes this library owns, consumed by the
 // CuTe kernel's Lamport protocol (oproj_jax/cute/peer.py is the Python side; cute/ABI.md).
 //
-// One process drives every GPU of the group (JAX's usual single-host layout). For each group
+// A group runs in one process driving all its GPUs (JAX's usual single-host layout), or with one
+// rank per process ("groups across processes" below: the same, except that each process
+// allocates only its own rank's mailbox and maps the others' by CUDA IPC). For each group
 // (its devices' CUDA ordinals in rank order), T and R, the first call that needs it (execute,
 // record or initialize, under `groups_mutex`; never under stream capture) allocates, on every
 // device of the group, ONE mailbox [R, T, H] bf16 plus a 256-byte control block (cuMemAlloc in
