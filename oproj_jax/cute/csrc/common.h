@@ -137,6 +137,20 @@ ffi::Error CheckVariant(std::string_view entry, ffi::Span<const int64_t> variant
 using RecordContext = ffi::internal::RecordContextBase<ffi::internal::ErrorPolicy>;
 struct RecordExtension : ffi::internal::RecordExtensionBase<RecordContext> {};
 
+// The attributes every consumer variant carries. A call may name them in any order (they are
+// matched by name); a handler takes them as parameters in this order (consumer_ffi.cc;
+// peer_ffi.cc binds the publish kernel's after them).
+#define OPROJ_ATTRS                                                                 \
+  .Attr<std::string_view>("cubin")       /* absolute path of the variant's cubin */ \
+      .Attr<std::string_view>("entry")   /* its kernel entry (mangled) name */      \
+      .Attr<int64_t>("smem")             /* dynamic shared memory, bytes */         \
+      .Attr<int64_t>("block")            /* threads per CTA = 128 * groups */       \
+      .Attr<float>("eps")                /* AttnRes key RMSNorm epsilon */          \
+      .Attr<float>("out_eps")            /* output RMSNorm epsilon */               \
+      .Attr<int32_t>("timeout_us")       /* wall-time bound of a wait, microseconds */ \
+      .Attr<bool>("pdl")                 /* programmatic stream serialization */     \
+      .Attr<ffi::Span<const int64_t>>("variant") /* [slots, NB, reps] the cubin is built for */
+
 // ---- target registration --------------------------------------------------------------------------
 // jax.ffi.register_ffi_target passes only the instantiate/prepare/initialize/execute stages to
 // the CUDA plugin, not the record stage. So Python registers and runs one bootstrap call,

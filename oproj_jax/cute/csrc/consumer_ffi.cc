@@ -398,18 +398,6 @@ ffi::Error TwoshotInitialize(ffi::RemainingArgs args, ffi::RemainingRets rets, s
 
 }  // namespace
 
-// The attributes every variant carries (names are matched, order is free).
-#define OPROJ_ATTRS                                                                 \
-  .Attr<std::string_view>("cubin")       /* absolute path of the variant's cubin */ \
-      .Attr<std::string_view>("entry")   /* its kernel entry (mangled) name */      \
-      .Attr<int64_t>("smem")             /* dynamic shared memory, bytes */         \
-      .Attr<int64_t>("block")            /* threads per CTA = 128 * groups */       \
-      .Attr<float>("eps")                /* AttnRes key RMSNorm epsilon */          \
-      .Attr<float>("out_eps")            /* output RMSNorm epsilon */               \
-      .Attr<int32_t>("timeout_us")       /* wall-time bound of a wait, microseconds */ \
-      .Attr<bool>("pdl")                 /* programmatic stream serialization */     \
-      .Attr<ffi::Span<const int64_t>>("variant") /* [slots, NB, reps] the cubin is built for */
-
 #define OPROJ_BUFFERS                                                \
   .Arg<Bf16_3>()    /* mailbox [R, T, H] or gather row [1, T, H] */  \
       .Arg<Bf16_2>()  /* prefix [T, H] */                            \

@@ -380,11 +380,11 @@ struct PeerPlan {
 // The attributes every stage binds (names are matched, order is free).
 #define PEER_ATTR_SIG                                                                                         \
   std::string_view cubin, std::string_view entry, int64_t smem, int64_t block, float eps, float out_eps,     \
-      int32_t timeout_us, bool pdl, std::string_view publish_cubin, std::string_view publish_entry,          \
-      ffi::Span<const int64_t> group, int64_t ranks, int32_t skip_rank, ffi::Span<const int64_t> variant
+      int32_t timeout_us, bool pdl, ffi::Span<const int64_t> variant, std::string_view publish_cubin,        \
+      std::string_view publish_entry, ffi::Span<const int64_t> group, int64_t ranks, int32_t skip_rank
 #define PEER_ATTR_ARGS                                                                                        \
-  cubin, entry, smem, block, eps, out_eps, timeout_us, pdl, publish_cubin, publish_entry, group, ranks, skip_rank, \
-      variant
+  cubin, entry, smem, block, eps, out_eps, timeout_us, pdl, variant, publish_cubin, publish_entry, group, ranks, \
+      skip_rank
 #define PEER_BUFFER_SIG                                                                                       \
   Bf16_2 partial, Bf16_2 prefix, Bf16_3 blocks, Bf16_1 norm, Bf16_1 query, Bf16_1 out_norm,                  \
       ffi::Result<Bf16_2> prefix_out, ffi::Result<Bf16_2> output, ffi::Result<Bf16_3> xmoe,                  \
@@ -557,21 +557,14 @@ ffi::Error PeerInitialize(int32_t ordinal, ffi::RemainingArgs args, ffi::Remaini
 
 }  // namespace
 
-#define OPROJ_PEER_ATTRS                                                                          \
-  .Attr<std::string_view>("cubin")                /* the consumer's cubin (protocol build) */      \
-      .Attr<std::string_view>("entry")            /* its kernel entry */                           \
-      .Attr<int64_t>("smem")                      /* its dynamic shared memory, bytes */           \
-      .Attr<int64_t>("block")                     /* its threads per CTA */                        \
-      .Attr<float>("eps")                         /* AttnRes key RMSNorm epsilon */                \
-      .Attr<float>("out_eps")                     /* output RMSNorm epsilon */                     \
-      .Attr<int32_t>("timeout_us")                /* microseconds of wall time before giving up */ \
-      .Attr<bool>("pdl")                          /* programmatic stream serialization */          \
-      .Attr<std::string_view>("publish_cubin")    /* cute/publish.py's cubin */                    \
-      .Attr<std::string_view>("publish_entry")    /* its kernel entry */                           \
-      .Attr<ffi::Span<const int64_t>>("group")    /* [groups, R] CUDA ordinals, rank order */      \
-      .Attr<int64_t>("ranks")                     /* R */                                          \
-      .Attr<int32_t>("skip_rank")                 /* tests: this rank publishes nothing; -1 */     \
-      .Attr<ffi::Span<const int64_t>>("variant")  /* [R, NB, reps] the consumer cubin is built for */
+// The consumer's attributes (common.h), then the publish kernel's and the group's.
+#define OPROJ_PEER_ATTRS                                                                       \
+  OPROJ_ATTRS                                                                                  \
+      .Attr<std::string_view>("publish_cubin")  /* cute/publish.py's cubin */                  \
+      .Attr<std::string_view>("publish_entry")  /* its kernel entry */                         \
+      .Attr<ffi::Span<const int64_t>>("group")  /* [groups, R] CUDA ordinals, rank order */    \
+      .Attr<int64_t>("ranks")                   /* R */                                        \
+      .Attr<int32_t>("skip_rank")               /* tests: this rank publishes nothing; -1 */
 
 #define OPROJ_PEER_BUFFERS                                \
   .Arg<Bf16_2>()      /* partial [T, H] */                \
