@@ -88,20 +88,25 @@ class RecordingNative:
         self.calls.append(("import", ordinal, row, tokens, handles))
 
 
-def test_connect_exports_once_and_imports_every_rank_in_order(monkeypatch):
+@pytest.mark.parametrize("ranks, mine", [(3, 0), (8, 5), (16, 15)])
+def test_connect_exports_once_and_imports_every_rank_in_order(monkeypatch, ranks, mine):
     monkeypatch.setattr(peer_ipc, "_connected", set())
-    mesh = _Mesh([_Device(10, 0, 0), _Device(11, 1, 0), _Device(12, 2, 0)])  # this process is 0
-    table = (peer_ipc.encode_row(mesh.devices, 0),)
+    mesh = _Mesh([_Device(10 + r, r, 0) for r in range(ranks)])  # one rank per process; this one is `mine`
+    row = peer_ipc.encode_row(mesh.devices, mine)
+    assert row == tuple(0 if r == mine else -(11 + r) for r in range(ranks))
+    tag = "-".join(str(10 + r) for r in range(ranks)) + "/T4"
     store, native = MemoryStore(), RecordingNative()
-    for r in (1, 2):
-        store.set(f"{peer_ipc.KEY_PREFIX}/10-11-12/T4/{r}", handle(r))
-    connect = lambda: peer_ipc.connect(mesh, "tp", table, 4, 1.0, store=lambda: store, native=lambda: native)  # noqa: E731
+    for r in range(ranks):
+        if r != mine:
+            store.set(f"{peer_ipc.KEY_PREFIX}/{tag}/{r}", handle(r))
+    native.export = lambda ordinal, row_, tokens: native.calls.append(("export", ordinal, row_, tokens)) or handle(mine)
+    connect = lambda: peer_ipc.connect(mesh, "tp", (row,), 4, 1.0, store=lambda: store, native=lambda: native)  # noqa: E731
     assert connect() == 1
     assert native.calls == [
-        ("export", 0, (0, -12, -13), 4),
-        ("import", 0, (0, -12, -13), 4, [handle(0), handle(1), handle(2)]),
+        ("export", 0, row, 4),
+        ("import", 0, row, 4, [handle(r) for r in range(ranks)]),
     ]
-    assert store.values[f"{peer_ipc.KEY_PREFIX}/10-11-12/T4/0"] == handle(0)
+    assert store.values[f"{peer_ipc.KEY_PREFIX}/{tag}/{mine}"] == handle(mine)
     assert connect() == 0 and len(native.calls) == 2  # connected once per (group, T, R) and process
 
 

@@ -49,11 +49,11 @@ def _entry(R, NB, has_delta, groups, reps, build):
 
 @pytest.fixture
 def gpu_mesh_here(tmp_path, monkeypatch, library):
-    """A fake manifest (R = 2 and 4, both protocol builds, and the publish kernel), the library,
+    """A fake manifest (R = 2, 4, 8 and 16, both protocol builds, and the publish kernel), the library,
     and the CPU platform taken for CUDA: what mode="peer" checks before it lowers."""
     kernels = [
         _entry(R, NB, d, g, x, b)
-        for R in (2, 4)
+        for R in (2, 4, 8, 16)
         for NB, d in ((0, False), (8, True))
         for g in sorted({cute_manifest.effective_groups(R, g) for g in (1, 2, 4)})  # one entry per key
         for x in (0, 1)
@@ -104,7 +104,7 @@ def _consumer_args(R, T, NB):
     return spec(R, T, H), spec(T, H), spec(T, NB, H), spec(H), spec(H), spec(H)
 
 
-@pytest.mark.parametrize("R,groups,reps", [(2, 1, 0), (2, 4, 1), (4, 2, 0)])
+@pytest.mark.parametrize("R,groups,reps", [(2, 1, 0), (2, 4, 1), (4, 2, 0), (8, 4, 0), (16, 4, 1)])
 def test_tp_consumer_lowers_to_one_peer_call_and_no_collective(gpu_mesh_here, R, groups, reps):
     mesh = _mesh((R,), ("tp",))
     T = 3

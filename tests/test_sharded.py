@@ -94,6 +94,44 @@ def test_tp_consumer_bit_exact(mesh, mode, cfg):
     _check_output(got, x, cfg.options())
 
 
+@pytest.mark.parametrize("mode", ["oneshot", "twoshot", "psum"])
+@pytest.mark.parametrize("fused", [False, True], ids=["partials", "fused"])
+def test_tp8_every_mode(mode, fused):
+    """TP8 (8 CPU devices, the width of one 8-GPU host): every XLA-collective mode of both
+    entry points, against the unsharded reference with the mode's summation order."""
+    ranks = 8
+    mesh8 = Mesh(np.array(jax.devices("cpu")[:ranks]), ("tp",))
+    groups = 4 if mode == "oneshot" else 1
+    cfg = configs.Config(ranks, 2, 8, groups=groups, xmoe_replicas=1, H=SMALL_H)
+    x = configs.make_inputs(cfg, seed=8)
+    opts = cfg.options()
+    if fused:  # the rank's heads: attn [T, K] sharded on K, w_o [K, H] on its rows
+        K = 2 * ranks
+        rng = np.random.default_rng(8)
+        attn = rng.standard_normal((cfg.T, K)).astype(jnp.bfloat16)
+        w_o = (rng.standard_normal((K, cfg.H)) / 4).astype(jnp.bfloat16)
+        got = tp_oproj_consumer(attn, w_o, *_args(x), mesh=mesh8, mode=mode, backend="reference", **opts)
+        per_rank = [
+            np.asarray(
+                jnp.dot(attn[:, r * 2 : r * 2 + 2], w_o[r * 2 : r * 2 + 2], preferred_element_type=jnp.float32).astype(
+                    jnp.bfloat16
+                )
+            )
+            for r in range(ranks)
+        ]
+        mailbox = np.stack(per_rank)
+    else:
+        mailbox = x["mailbox"]
+        got = tp_consumer(mailbox, *_args(x), mesh=mesh8, mode=mode, backend="reference", **opts)
+    want = _reference(mailbox, x, cfg, groups)
+    if mode == "psum":  # XLA's f32 order: within rounding of the reference
+        assert testing.rel_l2(got.prefix, want.prefix) < PSUM_PREFIX_REL_L2_TOL
+    else:
+        np.testing.assert_array_equal(_replica_bits(got.prefix, ranks), testing.bits(want.prefix))
+    _replica_bits(got.output, ranks)
+    _check_output(got, x, opts)
+
+
 def test_oneshot_twoshot_reference_agree_with_groups1(mesh):
     """docs/spec.md, "Twoshot": twoshot and oneshot with groups=1 give the prefix bits of the
     plain rank-order sum."""
