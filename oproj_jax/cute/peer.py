@@ -11,8 +11,8 @@ deadlock-freedom arguments):
     GPU's buffer that the other rank's XLA program does not know about. Per group of devices
     (CUDA ordinals in rank order), T and R, ONE mailbox [R, T, H] per device (plus a small
     control block), allocated on first use in each device's primary context, peer access
-    enabled between every pair, armed with the sentinel once; one process drives every GPU of
-    the group (JAX's single-host layout).
+    enabled between every pair, armed with the sentinel once; in one process driving every GPU
+    of the group (JAX's single-host layout), or one rank per process (see "Processes" below).
   * One FFI target per step, `oproj_cute_peer`: (1) the publish kernel (cute/publish.py) takes
     this rank's partial (-0.0 -> +0.0) and, fragment by fragment, WAITS until its slot in each
     rank's mailbox is empty again (all four 32-bit words of the fragment are the sentinel: the
