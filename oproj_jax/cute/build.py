@@ -140,17 +140,13 @@ def ptx_params(ptx: str) -> list[str]:
     return re.findall(r"\.param\s+(\.\w+)", signature)
 
 
-def compile_variant(key: dict, build: M.Build = M.GROUPED, trace: bool = False) -> dict:
-    """Compile one variant; returns {"key", "entry", "dynamic_smem_bytes", ..., "cubin_bytes"}.
-    `trace`: the phase-timer build (kernel.TRACE_MARKS; benchmarks/cute_phases.py), never shipped."""
-    import cutlass.cute as cute
-    from cutlass import BFloat16, Float32, Int32, Uint32
-    from cutlass.cute.runtime import make_fake_stream, make_ptr
-
+def consumer_kernel(key: dict, build: M.Build = M.GROUPED, trace: bool = False):
+    """The OprojConsumer of a variant key and build (its constructor checks the ranges: a
+    ValueError says why a key cannot be built). Imports the DSL."""
     from oproj_jax.cute.kernel import OprojConsumer
 
     k = M.normalize_key(key)
-    kernel = OprojConsumer(
+    return OprojConsumer(
         k["R"],
         k["NB"],
         has_delta=k["has_delta"],
@@ -161,6 +157,17 @@ def compile_variant(key: dict, build: M.Build = M.GROUPED, trace: bool = False) 
         fold=build.fold,
         trace=trace,
     )
+
+
+def compile_variant(key: dict, build: M.Build = M.GROUPED, trace: bool = False) -> dict:
+    """Compile one variant; returns {"key", "entry", "dynamic_smem_bytes", ..., "cubin_bytes"}.
+    `trace`: the phase-timer build (kernel.TRACE_MARKS; benchmarks/cute_phases.py), never shipped."""
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32, Uint32
+    from cutlass.cute.runtime import make_fake_stream, make_ptr
+
+    k = M.normalize_key(key)
+    kernel = consumer_kernel(k, build, trace)
 
     def ptr(dtype, align):  # a fake device address: only the type reaches the kernel
         return make_ptr(dtype, 16, cute.AddressSpace.gmem, assumed_align=align)

@@ -105,22 +105,12 @@ def kernel_rejects(key: dict, build: M.Build) -> str | None:
 
 @functools.lru_cache(maxsize=256)
 def _kernel_rejects(items: tuple, build: M.Build) -> str | None:
-    key = dict(items)
     try:
-        from oproj_jax.cute.kernel import OprojConsumer
+        import oproj_jax.cute.kernel  # noqa: F401
     except Exception as err:  # the DSL raises more than ImportError when its libraries are absent
         return f"the CuTe DSL does not import ({type(err).__name__}: {err}), so nothing is compiled on first use"
     try:
-        OprojConsumer(
-            key["R"],
-            key["NB"],
-            has_delta=key["has_delta"],
-            groups=key["groups"],
-            xmoe_replicas=key["xmoe_replicas"],
-            twoshot=key["twoshot"],
-            min_ctas=build.min_ctas,
-            fold=build.fold,
-        )
+        cute_build.consumer_kernel(dict(items), build)
     except ValueError as err:
         return f"the CuTe kernel is not built for it: {err}"
     return None
