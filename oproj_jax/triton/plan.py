@@ -6,8 +6,10 @@ the same shape compile the same kernel with the same constexprs and options, and
 bits. No JAX, no PyTorch here.
 
 Variants (kernel.py has the kernels), named kind-columns-warps:
-  row-w{8,16}     row_kernel: one program per token holds the whole row (next power of two >= H
-                  lanes) in registers, one pass over memory. For large T.
+  row-w{8,16,32}  row_kernel: one program per token holds the whole row (next power of two >= H
+                  lanes) in registers, one pass over memory. For large T. At R=16 NB=8 ptxas
+                  gives row-w8 255 registers a thread (and spills), row-w16 110, row-w32 64: one
+                  program per SM each, with 8, 16 or 32 warps in flight.
   tile-*          tile_kernel: one program per token, two passes over `sub`-column tiles (the
                   second re-reads the blocks and the new prefix, from L2 while the programs in
                   flight fit there); few registers, so several programs share an SM.
@@ -50,6 +52,7 @@ VARIANTS = {
     for v in (
         Variant("row", 0, 0, 8),
         Variant("row", 0, 0, 16),
+        Variant("row", 0, 0, 32),  # 64 registers a thread (ptxas) instead of 110: 32 warps per SM, not 16
         Variant("tile", 0, 256, 4),
         Variant("tile", 0, 512, 8),
         Variant("split", 128, 128, 4),
