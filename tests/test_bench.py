@@ -275,3 +275,16 @@ def test_decode_step_forms_agree_and_the_carried_mailbox_holds_the_last_partial(
         (m, loop) for m in D.MAILBOXES for loop in ("scan", "unrolled")
     ]
     assert all(r["us_step"] > 0 and r["us_step_without_consumer"] > 0 for r in records)
+
+
+def test_tp_step_timing_runs_on_cpu_devices():
+    """bench.tp's timing path (chains of dependent TP steps, their inputs, the record) on 2 CPU
+    devices with XLA's all-reduce and the reference consumer: the plumbing, not a timing."""
+    from jax.sharding import Mesh
+
+    from oproj_jax.bench import tp
+
+    mesh = Mesh(np.array(jax.devices("cpu")[:2]), ("tp",))
+    record = tp.time_combo(mesh, "psum", "reference", configs.Config(2, 1, 8, groups=4), 1, False, chain=(1, 3))
+    assert (record["kind"], record["k1"], record["k2"], record["gpus"], record["processes"]) == ("timing", 1, 3, 2, 1)
+    assert np.isfinite(record["us"]) and record["us_kernels"] is None

@@ -56,14 +56,8 @@ COMBOS = (
 )
 DEFAULT_TOKENS = (1, 8, 64)
 NB, GROUPS = 8, 4
-K1, K2 = 4, 20  # chain lengths (--chain): 16 steps between them (~100 us at T=1)
+CHAIN = (4, 20)  # default chain lengths K1, K2 (--chain): 16 steps between them (~100 us at T=1)
 N_LISTS = 2  # input lists alternated between executions
-
-
-def set_chain(k1: int, k2: int) -> None:
-    """The chain lengths every later timing uses."""
-    global K1, K2
-    K1, K2 = k1, k2
 
 
 def log(message: str) -> None:
@@ -95,8 +89,8 @@ def _global(value: np.ndarray, sharding):
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
-def _inputs(mesh, config: configs.Config, seed: int):
-    """N_LISTS argument tuples, each with K2 distinct partials and blocks (device copies of
+def _inputs(mesh, config: configs.Config, seed: int, k2: int):
+    """N_LISTS argument tuples, each with k2 distinct partials and blocks (device copies of
     random data, shifted per copy so no two buffers are equal)."""
     x = configs.make_inputs(config, seed)
     shard = NamedSharding(mesh, P("tp"))
@@ -106,8 +100,8 @@ def _inputs(mesh, config: configs.Config, seed: int):
     blocks = _global(x["blocks"], replicated)
     lists = []
     for j in range(N_LISTS):
-        partials = [put(partial, jnp.float32(j * K2 + i)) for i in range(K2)]
-        block_sets = [put(blocks, jnp.float32(j * K2 + i)) for i in range(K2)]
+        partials = [put(partial, jnp.float32(j * k2 + i)) for i in range(k2)]
+        block_sets = [put(blocks, jnp.float32(j * k2 + i)) for i in range(k2)]
         lists.append(
             (partials, block_sets, *(_global(x[k], replicated) for k in ("prefix", "norm", "query", "out_norm")))
         )
@@ -115,9 +109,12 @@ def _inputs(mesh, config: configs.Config, seed: int):
     return lambda i: lists[i % N_LISTS]
 
 
-def time_combo(mesh, mode: str, backend: str, config: configs.Config, reps: int, profile: bool) -> dict:
-    fn1, fn2 = (_chain(mesh, mode, backend, k, config) for k in (K1, K2))
-    args_of = _inputs(mesh, config, seed=config.T)
+def time_combo(
+    mesh, mode: str, backend: str, config: configs.Config, reps: int, profile: bool, chain: tuple[int, int] = CHAIN
+) -> dict:
+    K1, K2 = chain
+    fn1, fn2 = (_chain(mesh, mode, backend, k, config) for k in chain)
+    args_of = _inputs(mesh, config, seed=config.T, k2=K2)
     if mode == "peer":  # fail fast (a few timeouts, not a whole timing) when a rank cannot take part
         peer.check_status(fn1(*args_of(0))[2])
     us, t1, t2, noise = timing.slope(fn1, fn2, args_of, K1, K2, reps)
@@ -177,6 +174,7 @@ def run(
     *,
     combos=COMBOS,
     profile: bool = True,
+    chain: tuple[int, int] = CHAIN,
 ) -> list[dict]:
     """Times every (mode, backend) of `combos` at every T of `tokens` on the first `n_ranks`
     GPUs; returns the records (also written to `json_path` after each one)."""
@@ -194,7 +192,7 @@ def run(
             what = f"{mode}/{backend} T={T}"
             _together(what)
             try:
-                record = time_combo(mesh, mode, backend, config, reps, profile)
+                record = time_combo(mesh, mode, backend, config, reps, profile, chain)
                 log(f"{what}: {record['us']:.2f} us/step (kernels {record['us_kernels']})")
             except Exception as err:  # one failed combination must not end the run
                 record = dict(
@@ -251,7 +249,7 @@ def main(argv=None) -> int:
     )
     parser.add_argument(
         "--chain",
-        default=f"{K1},{K2}",
+        default=",".join(map(str, CHAIN)),
         help="chain lengths K1,K2 of the slope (default %(default)s); more steps between them average "
         "out more of the host's jitter per execution",
     )
@@ -283,7 +281,6 @@ def main(argv=None) -> int:
         parser.error(f"--chain: expected K1,K2, got {args.chain!r}")
     if not 1 <= k1 < k2:
         parser.error(f"--chain: expected 1 <= K1 < K2, got {args.chain!r}")
-    set_chain(k1, k2)
     try:
         tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
     except ValueError:
@@ -292,7 +289,7 @@ def main(argv=None) -> int:
         parser.error("--tp, --reps and --tokens must be positive")
     modes = None if args.modes is None else set(args.modes.split(","))
     combos = tuple(c for c in COMBOS if modes is None or c[0] in modes)
-    run(args.tp, tokens, args.reps, args.json, combos=combos, profile=not args.no_profile)
+    run(args.tp, tokens, args.reps, args.json, combos=combos, profile=not args.no_profile, chain=(k1, k2))
     return 0
 
 
