@@ -170,10 +170,7 @@ def group_table(mesh, axis_name: str) -> tuple[tuple[int, ...], ...]:
     group of this process's devices holds their CUDA ordinals (the handler maps its memory by
     ordinal); a group spanning processes (one rank per process) holds this process's device's
     CUDA ordinal and -(1 + device id) for the others (peer_ipc.connect maps their mailboxes)."""
-    devices = mesh.devices
-    axis = mesh.axis_names.index(axis_name)
-    rows = np.moveaxis(devices, axis, -1).reshape(-1, devices.shape[axis])
-    return tuple(peer_ipc.encode_row(row, jax.process_index()) for row in rows)
+    return tuple(peer_ipc.encode_row(row, jax.process_index()) for row in peer_ipc.group_rows(mesh, axis_name))
 
 
 def connect(mesh, axis_name: str, table, tokens: int, options: PeerOptions) -> None:

@@ -66,6 +66,14 @@ class DistributedStore:
         return self._client.blocking_key_value_get_bytes(key, timeout_ms)
 
 
+def group_rows(mesh, axis_name: str) -> np.ndarray:
+    """The TP groups of `mesh` along `axis_name`: one row of devices per group (every combination
+    of the other mesh axes), rank order along the row."""
+    devices = mesh.devices
+    axis = mesh.axis_names.index(axis_name)
+    return np.moveaxis(devices, axis, -1).reshape(-1, devices.shape[axis])
+
+
 def encode_row(row, process: int) -> tuple[int, ...]:
     """One TP group's devices (rank order) as the FFI table sees them from `process`."""
     local = [d for d in row if d.process_index == process]
@@ -151,11 +159,8 @@ def connect(
 ) -> int:
     """Connects every cross-process row of `table` (peer.group_table(mesh, axis_name)) that holds
     a device of this process, for `tokens` tokens; returns how many it connected now."""
-    devices = mesh.devices
-    axis = mesh.axis_names.index(axis_name)
-    rows = np.moveaxis(devices, axis, -1).reshape(-1, devices.shape[axis])
     done = 0
-    for row, encoded in zip(rows, table):
+    for row, encoded in zip(group_rows(mesh, axis_name), table):
         if min(encoded) >= 0 or max(encoded) < 0:  # one process's group, or none of ours
             continue
         key = (encoded, int(tokens), len(encoded))
