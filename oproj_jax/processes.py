@@ -4,7 +4,8 @@ device (or per group of CPU devices) on this host.
 `run(argv, count, ...)` starts `count` copies of `argv + [process_id, count, port]` with a free
 loopback port for the coordinator, waits for all of them at most `timeout_s`, and returns each
 process's exit code and combined output; a process still running then is killed and reported
-with exit code None. `initialize(process_id, count, port, ...)` is the worker's side.
+with exit code None. `initialize(process_id, count, port, ...)` is the worker's side;
+`client()` and `barrier(name, timeout_s)` what the processes share afterwards.
 """
 
 from __future__ import annotations
@@ -73,6 +74,23 @@ def initialize(process_id: int, count: int, port: int, **kwargs) -> None:
         initialization_timeout=kwargs.pop("initialization_timeout", 60),
         **kwargs,
     )
+
+
+def client():
+    """jax.distributed's coordination client (key-value store, barriers), or None before
+    jax.distributed.initialize; jax exposes it only under jax._src, so only here."""
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+def barrier(name: str, timeout_s: float) -> None:
+    """Waits (at most `timeout_s`) until every process has reached the barrier `name`; with one
+    process, returns at once."""
+    import jax
+
+    if jax.process_count() > 1:
+        client().wait_at_barrier(name, int(timeout_s * 1000))
 
 
 def report(results: list[Finished]) -> str:

@@ -154,10 +154,7 @@ def time_combo(
 def _together(what: str, timeout_s: float = 600) -> None:
     """With several processes: every process starts the same combination at once (one that
     failed in one process must not leave the others timing something else)."""
-    if jax.process_count() > 1:
-        from jax._src import distributed
-
-        distributed.global_state.client.wait_at_barrier(f"oproj_jax/bench.tp/{what}", int(timeout_s * 1000))
+    processes.barrier(f"oproj_jax/bench.tp/{what}", timeout_s)
 
 
 def _write(records, json_path) -> None:

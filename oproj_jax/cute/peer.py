@@ -65,6 +65,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from oproj_jax import processes
 from oproj_jax.api import Dims
 from oproj_jax.cute import backend, ffi, peer_ipc
 from oproj_jax.cute import manifest as cute_manifest
@@ -281,27 +282,15 @@ def reset(timeout_s: float = 300.0) -> None:
     of them before re-arming, so no step is in flight anywhere, and after, so no rank publishes
     into a slot that is still to be re-armed. Without any group allocated: a no-op here."""
     global _resets
-    client = _distributed_client()
     _resets += 1
-    if client is not None:
-        client.wait_at_barrier(f"oproj_jax/peer/reset/{_resets}/before", int(timeout_s * 1000))
+    processes.barrier(f"oproj_jax/peer/reset/{_resets}/before", timeout_s)
     library = ffi.load_library()
     message = ctypes.create_string_buffer(1024)
     fn = getattr(library, RESET_SYMBOL)
     fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_char_p, ctypes.c_size_t]
     if fn(message, len(message)) != 0:
         raise RuntimeError(f"oproj_jax.cute.peer.reset: {message.value.decode(errors='replace')}")
-    if client is not None:
-        client.wait_at_barrier(f"oproj_jax/peer/reset/{_resets}/after", int(timeout_s * 1000))
-
-
-def _distributed_client():
-    """jax.distributed's client when this is one of several processes, else None."""
-    if jax.process_count() == 1:
-        return None
-    from jax._src import distributed
-
-    return distributed.global_state.client
+    processes.barrier(f"oproj_jax/peer/reset/{_resets}/after", timeout_s)
 
 
 def group_count() -> int:

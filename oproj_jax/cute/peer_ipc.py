@@ -50,9 +50,9 @@ class DistributedStore:
     """The key-value store of jax.distributed.initialize's coordination service."""
 
     def __init__(self):
-        from jax._src import distributed
+        from oproj_jax import processes
 
-        self._client = distributed.global_state.client
+        self._client = processes.client()
         if self._client is None:
             raise ValueError(
                 "mesh: mode='peer' across processes exchanges mailbox handles through jax.distributed; call "
