@@ -1,6 +1,8 @@
 """Test-wide setup: 16 CPU devices (a simulated TP16 mesh) and the GPU skip rule."""
 
 import json
+import os
+from pathlib import Path
 
 import jax
 import pytest
@@ -78,3 +80,15 @@ def gpus_or_skip(count: int) -> list:
     if len(gpus) < count:
         pytest.skip(f"needs {count} GPUs, found {len(gpus)}")
     return gpus
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def worker_env(drop=("XLA_FLAGS", "JAX_NUM_CPU_DEVICES"), **values) -> dict:
+    """The environment of a test's worker processes: this one's without `drop` (the test
+    session's own device setup), the checkout first on PYTHONPATH, and `values`."""
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    env.update(values)
+    return env

@@ -4,7 +4,6 @@ harness's own pieces (prefix model, check flags, derived figures, slope)."""
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import worker_env
 
 from oproj_jax import api, configs, reference, testing
 from oproj_jax.bench import __main__ as cli
@@ -242,8 +242,7 @@ def test_tp_processes_launch_every_process_and_merge_their_records(tmp_path):
     """`--tp 2 --processes 2` starts two jax.distributed processes of this module and merges what
     they wrote. On CPUs each process refuses (no GPUs) with a message naming the process count,
     and the launcher reports the failure: the plumbing, not a timing (that needs 2 GPUs)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-    env["JAX_PLATFORMS"] = "cpu"
+    env = worker_env(JAX_PLATFORMS="cpu")
     out = tmp_path / "tp.json"
     argv = ["-m", "oproj_jax.bench.tp", "--tp", "2", "--tokens", "1", "--processes", "2", "--json", str(out)]
     done = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, timeout=240)

@@ -9,23 +9,20 @@ when the workers' probe (cluster start + one cross-process all-gather, no projec
 then this jax cannot run CPU collectives across processes, and the skip says why.
 """
 
-import os
 import sys
-from pathlib import Path
 
 import pytest
+from conftest import REPO, worker_env
 
 from oproj_jax import processes
 
-REPO = Path(__file__).resolve().parent.parent
 PROCESSES, LOCAL_DEVICES = 2, 8
 TIMEOUT_S = 240  # both workers, start to finish; a run takes ~20 s on 2 cores
 SKIP_EXIT = 77  # a worker's probe failed: no cross-process CPU collectives here
 
 
 def test_two_process_oneshot_matches_reference():
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}")
+    env = worker_env(JAX_PLATFORMS="cpu")
     results = processes.run([__file__, "worker"], PROCESSES, env=env, cwd=REPO, timeout_s=TIMEOUT_S)
     report = processes.report(results)
     codes = [r.code for r in results]

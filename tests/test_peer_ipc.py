@@ -8,17 +8,15 @@ covers (tests/test_peer_processes_gpu.py): the CUDA IPC export and mapping, and 
 and polls across processes.
 """
 
-import os
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import REPO, worker_env
 
 from oproj_jax import processes
 from oproj_jax.cute import ffi, peer_ipc
 
-REPO = Path(__file__).resolve().parent.parent
 SKIP_EXIT = 77
 
 
@@ -155,8 +153,7 @@ def test_two_processes_exchange_through_the_distributed_store():
     """Two CPU processes of one jax.distributed cluster: each connects the group of both
     devices (a recording native side), and each imports the other's handle; a third rank that
     never answers is named within its timeout."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}")
+    env = worker_env(JAX_PLATFORMS="cpu")
     results = processes.run([__file__, "worker"], 2, env=env, cwd=REPO, timeout_s=180)
     report = processes.report(results)
     if any(r.code == SKIP_EXIT for r in results):

@@ -14,18 +14,15 @@ the same seeded inputs, with no cross-process collective anywhere:
     peer.reset() (which waits for both processes) the group is exact again.
 """
 
-import os
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-from conftest import gpus_or_skip
+from conftest import REPO, gpus_or_skip, worker_env
 
 from oproj_jax import processes
 
-REPO = Path(__file__).resolve().parent.parent
 R = 2
 TIMEOUT_S = 300  # both workers, start to finish (compiles included); each wait inside is shorter
 CHAIN_STEPS, CHAIN_EXECUTIONS = 4, 3
@@ -33,8 +30,7 @@ CHAIN_STEPS, CHAIN_EXECUTIONS = 4, 3
 
 def test_peer_mode_with_one_process_per_gpu():
     gpus_or_skip(R)
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "CUDA_VISIBLE_DEVICES")}
-    env.update(PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    env = worker_env(drop=("JAX_PLATFORMS", "CUDA_VISIBLE_DEVICES"), XLA_PYTHON_CLIENT_PREALLOCATE="false")
     results = processes.run([__file__, "worker"], R, env=env, cwd=REPO, timeout_s=TIMEOUT_S)
     report = processes.report(results)
     assert [r.code for r in results] == [0] * R, report
