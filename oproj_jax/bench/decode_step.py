@@ -94,12 +94,11 @@ def layer(backend: str | None, form: str, attn, prefix, mailbox, blocks, w):
         output = partial
     else:
         if form == "carried":
-            mailbox = lax.dynamic_update_index_in_dim(mailbox, partial, 0, 0)  # in place: a donated carry
-        slots = {
-            "carried": lambda: mailbox,
-            "concat": lambda: jnp.concatenate([partial[None], w["others"]]),
-            "update": lambda: lax.dynamic_update_index_in_dim(w["others"], partial, 0, 0),
-        }[form]()
+            mailbox = slots = lax.dynamic_update_index_in_dim(mailbox, partial, 0, 0)  # in place: a donated carry
+        elif form == "concat":
+            slots = jnp.concatenate([partial[None], w["others"]])
+        else:
+            slots = lax.dynamic_update_index_in_dim(w["others"], partial, 0, 0)
         res = api.consumer(
             slots,
             prefix,
