@@ -160,8 +160,8 @@ class _Worker:
 
     # -- recording -----------------------------------------------------------------------------
 
-    def _cuda(self, name: str, fn, *args):
-        """Call a driver function; record the CUresult name and time; raise _Failed unless success."""
+    def _timed(self, name: str, fn, *args):
+        """(fn(*args), ms); an exception is recorded (errno name included) and raised as _Failed."""
         t0 = time.perf_counter()
         try:
             out = fn(*args)
@@ -170,7 +170,11 @@ class _Worker:
                 {"call": name, "ok": False, "exception": _exc(e), "ms": round((time.perf_counter() - t0) * 1e3, 4)}
             )
             raise _Failed(name) from e
-        ms = round((time.perf_counter() - t0) * 1e3, 4)
+        return out, round((time.perf_counter() - t0) * 1e3, 4)
+
+    def _cuda(self, name: str, fn, *args):
+        """Call a driver function; record the CUresult name and time; raise _Failed unless success."""
+        out, ms = self._timed(name, fn, *args)
         err, rest = out[0], out[1:]
         if err != self.cu.CUresult.CUDA_SUCCESS:
             step = {"call": name, "ok": False, "result": getattr(err, "name", str(err)), "ms": ms}
@@ -186,15 +190,8 @@ class _Worker:
 
     def _host(self, name: str, fn, *args):
         """Call a Python/OS function; record the exception (errno name included) and the time."""
-        t0 = time.perf_counter()
-        try:
-            value = fn(*args)
-        except Exception as e:
-            self.steps.append(
-                {"call": name, "ok": False, "exception": _exc(e), "ms": round((time.perf_counter() - t0) * 1e3, 4)}
-            )
-            raise _Failed(name) from e
-        self.steps.append({"call": name, "ok": True, "ms": round((time.perf_counter() - t0) * 1e3, 4)})
+        value, ms = self._timed(name, fn, *args)
+        self.steps.append({"call": name, "ok": True, "ms": ms})
         return value
 
     def _value(self, name: str, fn, *args):
