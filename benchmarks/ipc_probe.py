@@ -358,18 +358,21 @@ class _Worker:
             ctx[i] = self._cuda(f"cuDevicePrimaryCtxRetain(gpu{i})", cu.cuDevicePrimaryCtxRetain, dev)
         p0, p1, p2, p3 = patterns
 
+        def round_trip(ptr, size, first, second):  # gpu0's memory: read by gpu1, written by gpu1, read back
+            self._fill("gpu0 writes its memory", ptr, size, first)
+            self._cuda("cuCtxSetCurrent(gpu1)", cu.cuCtxSetCurrent, ctx[1])
+            read_ok = self._compare("gpu1 reads gpu0 memory", ptr, size, first)
+            self._fill("gpu1 writes gpu0 memory", ptr, size, second)
+            self._cuda("cuCtxSetCurrent(gpu0)", cu.cuCtxSetCurrent, ctx[0])
+            return read_ok, self._compare("gpu0 reads back", ptr, size, second)
+
         def legacy():
             size = 2 << 20
             self._cuda("cuCtxSetCurrent(gpu1)", cu.cuCtxSetCurrent, ctx[1])
             self._cuda("cuCtxEnablePeerAccess(gpu1 -> gpu0)", cu.cuCtxEnablePeerAccess, ctx[0], 0)
             self._cuda("cuCtxSetCurrent(gpu0)", cu.cuCtxSetCurrent, ctx[0])
             ptr = self._cuda("cuMemAlloc on gpu0", cu.cuMemAlloc, size)
-            self._fill("gpu0 writes its memory", ptr, size, p0)
-            self._cuda("cuCtxSetCurrent(gpu1)", cu.cuCtxSetCurrent, ctx[1])
-            read_ok = self._compare("gpu1 reads gpu0 memory", ptr, size, p0)
-            self._fill("gpu1 writes gpu0 memory", ptr, size, p1)
-            self._cuda("cuCtxSetCurrent(gpu0)", cu.cuCtxSetCurrent, ctx[0])
-            write_ok = self._compare("gpu0 reads back", ptr, size, p1)
+            read_ok, write_ok = round_trip(ptr, size, p0, p1)
             self._cuda("cuMemFree", cu.cuMemFree, ptr)
             return {"peer_read_ok": read_ok, "peer_write_ok": write_ok}
 
@@ -382,12 +385,7 @@ class _Worker:
             handle = self._cuda("cuMemCreate on gpu0", cu.cuMemCreate, size, prop, 0)
             held: dict = {}
             va = self._map(held, handle, size, (0, 1))
-            self._fill("gpu0 writes its memory", va, size, p2)
-            self._cuda("cuCtxSetCurrent(gpu1)", cu.cuCtxSetCurrent, ctx[1])
-            read_ok = self._compare("gpu1 reads gpu0 memory", va, size, p2)
-            self._fill("gpu1 writes gpu0 memory", va, size, p3)
-            self._cuda("cuCtxSetCurrent(gpu0)", cu.cuCtxSetCurrent, ctx[0])
-            write_ok = self._compare("gpu0 reads back", va, size, p3)
+            read_ok, write_ok = round_trip(va, size, p2, p3)
             self._cuda("cuMemUnmap", cu.cuMemUnmap, va, size)
             self._cuda("cuMemAddressFree", cu.cuMemAddressFree, va, size)
             self._cuda("cuMemRelease", cu.cuMemRelease, handle)
