@@ -6,19 +6,24 @@
 #   cute, bounded wait    tests/test_cute_gpu.py::test_bounded_polling_reports_a_slot_never_published
 #   pallas                tests/test_pallas.py::test_parity_gpu (default build and the 7-CTA split)
 #   peer publish + consumer  tests/test_peer_gpu.py::test_peer_bits_equal_oneshot (2 GPUs or more)
-# One process per tool (memcheck, racecheck, synccheck, initcheck), the four in parallel, each
+#   triton sync           tests/test_triton_gpu.py, the sync kernel's launches from JAX and PyTorch
+#                         (its barriers: counters, polls, records), a CUDA graph replay
+# One process per tool (memcheck, racecheck, synccheck, initcheck) and per group (the cute and
+# Pallas kernels; the Triton sync kernel), the eight in parallel, each
 # bounded in time; memcheck, racecheck and synccheck instrument only our kernels (--kernel-name,
 # by name substring), so XLA's own kernels neither slow them down nor enter their reports;
 # initcheck instruments every kernel (see below). Host API errors are not
 # reported (cuda-python probes driver entry points that do not exist, which is not a device
 # memory error). A log ends with "ERROR SUMMARY: N errors" (racecheck: "RACECHECK SUMMARY").
 # Build first (python -m oproj_jax.build) and carry oproj_jax/_lib and oproj_jax/cute/cubins.
-# Usage on the GPU machine: bash benchmarks/sanitize.sh OUTDIR [SECONDS_PER_TOOL]
+# Usage on the GPU machine: bash benchmarks/sanitize.sh OUTDIR [SECONDS_PER_TOOL] [TOOLS]
+# (TOOLS: a space-separated subset of "memcheck racecheck synccheck initcheck", default all four)
 set -u
 out=${1:-${OUT:-/tmp/oproj_sanitize}}
 limit=${2:-240}
+tools=${3:-memcheck racecheck synccheck initcheck}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} XLA_PYTHON_CLIENT_PREALLOCATE=false NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
 gpus=$(nvidia-smi -L | wc -l)
 tests=(
   "tests/test_cute_gpu.py::test_oneshot_parity[R16-T3-NB8-G4]"
@@ -39,24 +44,34 @@ if [ "$gpus" -ge 2 ]; then
   tests+=("tests/test_peer_gpu.py::test_peer_bits_equal_oneshot[R2-T1-NB0-G2-nodelta]"
           "tests/test_peer_gpu.py::test_peer_bits_equal_oneshot[R2-T8-NB0-G4-nodelta-x1]")
 fi
+# the Triton sync kernel (its in-kernel barriers), both launches, under its own filter below
+triton_tests=(
+  "tests/test_triton_gpu.py::test_jax_and_torch_launches_agree_with_each_other_and_the_oracle[R16-T1-NB8-G4-sync-512-w4]"
+  "tests/test_triton_gpu.py::test_jax_and_torch_launches_agree_with_each_other_and_the_oracle[R16-T64-NB8-G4-sync-2048-w8]"
+  "tests/test_triton_gpu.py::test_torch_launch_replays_in_a_cuda_graph[sync-256-w4]"
+)
 # cute consumer and publish kernels: "..._oproj_jaxcutekernelOprojConsumer_..." and
 # "..._oproj_jaxcutepublishPublish_..."; the Pallas kernel: pallas/consumer.py KERNEL_NAME
 filter="--kernel-name kns=oproj"
-for tool in memcheck racecheck synccheck initcheck; do
-  extra="--print-limit 20"
+sanitize() {  # sanitize TOOL NAME SELECT TESTS...: one bounded compute-sanitizer run, its verdict echoed
+  local tool=$1 name=$2 select=$3; shift 3
+  local extra="--print-limit 20" t0=$SECONDS
   [ "$tool" = memcheck ] && extra="$extra --leak-check no"
+  timeout "$limit" compute-sanitizer --tool "$tool" $extra --report-api-errors no $select \
+    python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short "$@" > "$out/sanitize-$name.txt" 2>&1
+  local rc=$?
+  local summary verdict
+  summary=$(grep -E "(ERROR|RACECHECK) SUMMARY" "$out/sanitize-$name.txt" | tail -n 1)
+  verdict=$(grep -E "[0-9]+ (passed|failed)" "$out/sanitize-$name.txt" | tail -n 1)
+  echo "== $name: rc=$rc ($((SECONDS - t0)) s) ${summary:-no summary line} | pytest: ${verdict:-no result line}"
+}
+for tool in $tools; do
   # initcheck tracks which bytes were written; memory our kernels read was written by XLA's
   # kernels (the inputs, zeroed flags), so every kernel is instrumented there, not only ours
   select=$filter
   [ "$tool" = initcheck ] && select=""
-  (
-    t0=$SECONDS
-    timeout "$limit" compute-sanitizer --tool "$tool" $extra --report-api-errors no $select \
-      python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short "${tests[@]}" > "$out/sanitize-$tool.txt" 2>&1
-    rc=$?
-    summary=$(grep -E "(ERROR|RACECHECK) SUMMARY" "$out/sanitize-$tool.txt" | tail -n 1)
-    verdict=$(grep -E "[0-9]+ (passed|failed)" "$out/sanitize-$tool.txt" | tail -n 1)
-    echo "== $tool: rc=$rc ($((SECONDS - t0)) s) ${summary:-no summary line} | pytest: ${verdict:-no result line}"
-  ) &
+  sanitize "$tool" "$tool" "$select" "${tests[@]}" &
+  [ "$tool" = initcheck ] || select="--kernel-name kns=sync_kernel"
+  sanitize "$tool" "triton-$tool" "$select" "${triton_tests[@]}" &
 done
 wait

@@ -23,6 +23,7 @@ import ast
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import pathlib
 import re
@@ -44,7 +45,7 @@ from oproj_jax.triton import plan
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ARGS = ("mailbox", "prefix", "blocks", "norm", "query", "out_norm")
 EPS = dict(eps=0.5, out_eps=0.25)  # large against the sources' mean squares: a swapped epsilon shows
-KINDS = ("row-w8", "tile-256-w4", "split-256-w4")  # one variant of each kernel
+KINDS = ("row-w8", "tile-256-w4", "split-256-w4", "sync-256-w4")  # one variant of each kernel
 
 
 # ---- interpreter ------------------------------------------------------------------------------
@@ -88,7 +89,7 @@ class Case:
 
 def _cases() -> list[Case]:
     small = [
-        Config(16, 3, 8, H=512),  # the production order (groups 4) with C = 2 chunks in split-256
+        Config(16, 3, 8, H=512),  # the production order (groups 4) with C = 2 chunks in split-256, sync-256
         Config(16, 3, 8, groups=1, H=256),
         Config(16, 2, 3, groups=2, H=256, xmoe_replicas=2),
         Config(16, 3, 0, groups=3, has_delta=False, H=256),
@@ -101,8 +102,11 @@ def _cases() -> list[Case]:
     cases += [Case(Config(2, 2, 0, groups=1, H=256), v, _inf_prefix) for v in KINDS]
     cases += [Case(Config(16, 3, 0, groups=3, has_delta=False, H=512), v, _negative_zeros) for v in KINDS]
     cases += [Case(Config(2, 3, 0, groups=1, has_delta=False, xmoe_replicas=2, H=256), "row-w8", _negative_zero_output)]
-    # the production H: the default (split-256), and chunks of several tiles, the last one partial
-    cases += [Case(Config(16, 2, 8, H=7168), v) for v in (None, "row-w8", "tile-512-w8", "split-2048-w8")]
+    # the production H: the default, chunks of several tiles (the last one partial), and sync
+    # with 14 chunks (its records added over a span of 16)
+    cases += [
+        Case(Config(16, 2, 8, H=7168), v) for v in (None, "row-w8", "tile-512-w8", "split-2048-w8", "sync-512-w4")
+    ]
     return cases
 
 
@@ -222,11 +226,15 @@ PLANS = {  # every kernel as the launchers run it, at R=16 NB=8 H=7168 and with 
     "T1-default": plan.make(16, 1, 8, 7168, **PRODUCTION),
     "T4096-default": plan.make(16, 4096, 8, 7168, **PRODUCTION),
     "T64-tile": plan.make(16, 64, 8, 7168, **PRODUCTION, variant="tile-256-w4"),
+    "T1-sync": plan.make(16, 1, 8, 7168, **PRODUCTION, variant="sync-256-w4"),
     **{
         f"NB0-{v}": plan.make(3, 2, 0, 7168, **FIRST_LAYER, variant=v)
-        for v in ("row-w8", "tile-256-w4", "split-512-w4")
+        for v in ("row-w8", "tile-256-w4", "split-512-w4", "sync-512-w4")
     },
 }
+
+
+POINTER_TYPES = {"stats": "*fp32", "arrivals": "*i32"}  # every other pointer is to bf16
 
 
 def _compile_sm90(launch: plan.Launch):
@@ -238,9 +246,7 @@ def _compile_sm90(launch: plan.Launch):
     fn = getattr(kernel, launch.kernel)
     constexprs = dict(launch.constexprs)
     pointers = [name for name in fn.arg_names if name not in constexprs]
-    signature = {
-        name: "constexpr" if name in constexprs else "*fp32" if name == "stats" else "*bf16" for name in fn.arg_names
-    }
+    signature = {name: "constexpr" if name in constexprs else POINTER_TYPES.get(name, "*bf16") for name in fn.arg_names}
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in pointers}  # as jax_triton assumes
     source = triton.compiler.ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=launch.options())
@@ -258,6 +264,21 @@ def test_kernels_compile_for_sm90_without_fma(name, tmp_path, monkeypatch):
         bare = re.findall(r"\b(?:add|sub|mul)\.f32\b", ptx)
         assert not bare, f"{launch.kernel}: {len(bare)} f32 add/mul without .rn (ptxas may contract them)"
         assert re.search(r"\badd\.rn\.f32\b", ptx)
+
+
+def test_sync_kernel_barriers_as_compiled(tmp_path, monkeypatch):
+    """The sync kernel's two barriers in the PTX: one thread of a program counts it in (acq_rel)
+    and polls (acquire), both predicated, at GPU scope; the poll bound ends in a trap. Its
+    stages (the interpreter's launches) have no barrier."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    whole = PLANS["T1-sync"]
+    ptx = _compile_sm90(whole.launches[0]).asm["ptx"]
+    assert len(re.findall(r"@%p\d+ atom\.global\.gpu\.acq_rel\.add\.u32", ptx)) == 2, "the arrivals"
+    # Triton emits the polls (atomic adds of 0) as acquire loads.
+    assert len(re.findall(r"@%p\d+ ld\.global\.gpu\.acquire\.b32", ptx)) == 2, "the polls"
+    assert ptx.count("trap;") == 2 and "ld.global.cg" in ptx
+    for stage in whole.stages():
+        assert "atom." not in _compile_sm90(stage).asm["ptx"], dict(stage.constexprs)["PHASE"]
 
 
 # ---- the JAX call, lowered for CUDA -----------------------------------------------------------
@@ -281,7 +302,7 @@ def cuda_triton_stand_ins(monkeypatch, tmp_path):
 
     class TritonKernelCall:
         def __init__(self, kernel, grid_x, grid_y, grid_z, params):
-            pass
+            compiled[-1]["params"] = params  # (bytes to zero, pointer divisibility) per array
 
         def to_proto(self, name, metadata):
             return name.encode()
@@ -332,7 +353,8 @@ def _custom_calls(text: str, lowering: str) -> list[str]:
 
 @pytest.mark.parametrize("lowering", TARGETS)
 @pytest.mark.parametrize(
-    ("variant", "T", "kernels"), [(None, 1, 1), ("split-256-w4", 1, 2), ("row-w8", 64, 1), ("tile-256-w4", 8, 1)]
+    ("variant", "T", "kernels"),
+    [(None, 1, 1), ("split-256-w4", 1, 2), ("row-w8", 64, 1), ("tile-256-w4", 8, 1), ("sync-512-w4", 5, 1)],
 )
 def test_jax_call_lowers_for_cuda_with_the_prefix_aliased(cuda_triton_stand_ins, variant, T, kernels, lowering):
     text = _lowered(variant, T, lowering=lowering)
@@ -346,6 +368,11 @@ def test_jax_call_lowers_for_cuda_with_the_prefix_aliased(cuda_triton_stand_ins,
     assert len(cuda_triton_stand_ins) == kernels
     for kernel in cuda_triton_stand_ins:
         assert kernel["compute_capability"] == 90 and ".target sm_90" in kernel["ptx"], kernel["name"]
+        zeroed = [size for size, _ in kernel["params"]]
+        # sync: the kernel call zeroes the arrival counters (T x 2 int32, the last array) before
+        # each launch; nothing else is zeroed
+        counters = plan.make(16, T, 8, 7168, **PRODUCTION, variant=variant).arrivals_shape
+        assert zeroed == [0] * (len(zeroed) - 1) + [4 * math.prod(counters) if counters else 0]
 
 
 @pytest.mark.parametrize("lowering", TARGETS)
@@ -376,14 +403,24 @@ def test_unavailable_without_the_cuda_plugin():
 
 
 def test_default_rule_by_tokens():
-    assert [plan.default_variant(t, 7168) for t in (1, 8, 64, 512, 4096)] == [
-        "row-w8",
-        "row-w8",
-        "row-w8",
+    assert [plan.default_variant(t, 7168) for t in (1, 8, 9, 64, 65, 512, 513, 4096)] == [
+        "sync-512-w4",
+        "sync-512-w4",
+        "sync-2048-w8",
+        "sync-2048-w8",
         "row-w16",
         "row-w16",
+        "sync-1024-w4",
+        "sync-1024-w4",
     ]
-    assert plan.default_variant(4096, 32768) == plan.WIDE_ROW  # a row too wide for registers
+    assert plan.default_variant(1, 16384) == "sync-512-w4"  # 32 chunks: the most a sync variant runs
+    # 33 chunks: too many to wait for each other, and a row too wide for registers
+    assert plan.default_variant(1, 16896) == plan.WIDE_ROW
+    assert plan.default_variant(512, 32768) == plan.WIDE_ROW  # a row too wide for registers
+    assert plan.default_variant(4096, 32768) == "sync-1024-w4"  # 32 chunks
+    for T in (1, 64, 512, 4096):  # every default is a variant the plan accepts at that H
+        for H in (256, 7168, 16384, 16896, 32768):
+            plan.make(16, T, 8, H, **PRODUCTION, variant=plan.default_variant(T, H))
     assert all(plan.VARIANTS[name].name == name for name in plan.VARIANTS)
 
 
@@ -397,6 +434,15 @@ def test_plan_shapes():
         row.stats_shape is None and row.launches[0].grid == (3,) and dict(row.launches[0].constexprs)["BLOCK"] == 8192
     )
     assert row.launches[0].options() == dict(num_warps=16, num_stages=1, enable_fp_fusion=False)
+    sync = plan.make(16, 3, 8, 7168, **PRODUCTION, variant="sync-512-w8")
+    (whole,) = sync.launches
+    assert whole.kernel == "sync_kernel" and whole.grid == (14, 3) and whole.num_warps == 8  # chunks fastest
+    assert sync.stats_shape == (3, 14, 2 * 8 + 3) and sync.arrivals_shape == (3, 2)
+    assert dict(whole.constexprs)["PHASE"] == 0 and dict(whole.constexprs)["SPAN"] == 16
+    assert dict(plan.make(16, 3, 3, 7168, **PRODUCTION, variant="sync-512-w8").launches[0].constexprs)["ROWS"] == 4
+    assert [dict(h.constexprs)["PHASE"] for h in sync.stages()] == [1, 2, 3]
+    assert {h.grid for h in sync.stages()} == {whole.grid}
+    assert split.stages() == split.launches and row.stages() == row.launches
 
 
 def test_plan_refuses_unknown_and_oversized_variants():
@@ -404,6 +450,9 @@ def test_plan_refuses_unknown_and_oversized_variants():
         plan.make(16, 3, 8, 7168, **PRODUCTION, variant="row")
     with pytest.raises(ValueError, match="variant: 'row-w8' holds a row in registers"):
         plan.make(16, 3, 8, 32768, **PRODUCTION, variant="row-w8")
+    with pytest.raises(ValueError, match=r"variant: 'sync-256-w4' runs H / 256 programs per token .* at most 32"):
+        plan.make(16, 3, 8, 8448, **PRODUCTION, variant="sync-256-w4")  # 33 chunks
+    assert plan.make(16, 3, 8, 8192, **PRODUCTION, variant="sync-256-w4").launches[0].grid == (32, 3)
     assert "R <= 64" in plan.unsupported_reason(65) and plan.unsupported_reason(16) is None
 
 

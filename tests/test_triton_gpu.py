@@ -35,7 +35,7 @@ ARGS = ("mailbox", "prefix", "blocks", "norm", "query", "out_norm")
 SEED = int(time.time()) % 2**31
 EPS = dict(eps=1e-6, out_eps=1e-5)
 SWEEP = tuple(Config(configs.TP, t, 8) for t in (1, 8, 64, 512, 4096))  # the production shape over T
-# Both launches: every option set with the default variant (split at these T), every variant at
+# Both launches: every option set with the default variant (sync at these T), every variant at
 # the production shape. The one-program-per-token kernels over every option set: PyTorch only
 # (the JAX launch of the same kernel is the sweep's), which halves the compiles.
 CASES = [(c, None) for c in configs.PARITY] + [(c, v) for c in SWEEP for v in plan.VARIANTS]
@@ -109,7 +109,7 @@ def test_torch_launch_of_the_row_and_tile_kernels_matches_the_oracle(triton_gpu,
 
 
 DONATED = [(None, 1, "triton_call"), ("row-w8", 64, "triton_call"), ("tile-256-w4", 8, "triton_call")]
-DONATED += [("split-1024-w4", 3, "ffi"), ("row-w16", 64, "ffi")]
+DONATED += [("split-1024-w4", 3, "ffi"), ("row-w16", 64, "ffi"), ("sync-512-w4", 8, "ffi")]
 
 
 @pytest.mark.parametrize(("variant", "T", "lowering"), DONATED)
@@ -156,10 +156,10 @@ def test_registry_call_under_jit(triton_gpu):
     testing.check_result(config, arrays, result, **EPS, what=f"seed={SEED}")
 
 
-@pytest.mark.parametrize("variant", [None, "row-w8"])
+@pytest.mark.parametrize("variant", [None, "row-w8", "sync-256-w4"])
 def test_torch_launch_replays_in_a_cuda_graph(triton_gpu, variant):
     """Captured once, replayed on new inputs copied into the captured buffers: the same bits as
-    an eager launch on those inputs."""
+    an eager launch on those inputs (sync: its counters' zeroing is captured with it)."""
     import torch
 
     from oproj_jax import torch_ref
@@ -206,7 +206,7 @@ _COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
     sets = [configs.make_inputs(config, seed + k) for k in (0, 1)]
     args = [[jax.device_put(x[k]) for k in names] for x in sets]
     runs = {}
-    for fn in (chain("split-256-w4", "split_steps"), chain("row-w8", "row_steps")):
+    for fn in (chain("split-256-w4", "split_steps"), chain("row-w8", "row_steps"), chain("sync-256-w4", "sync_steps")):
         jitted = jax.jit(fn)
         # Alternating input sets: new buffer addresses each execution (graph updates, not re-records).
         runs[fn.__name__] = [[np.asarray(v).view(np.uint16) for v in jitted(x[0], y[0], *x[1:])]
@@ -219,7 +219,8 @@ _COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
 def test_xla_command_buffer_thunk_dump(triton_gpu, tmp_path, lowering):
     """Checks XLA's thunk dump: two chained consumer calls under jax.jit run inside a command
     buffer (CUDA graph), every kernel launch a custom call nested in it (2 per call for the split
-    kernels, 1 for the row kernel); executions alternating two input sets are exact.
+    kernels, 1 for the row and sync kernels); executions alternating two input sets are exact
+    (sync: its arrival counters zeroed in each call of each replay).
 
     XLA records a custom call into a command buffer only if its FFI handler says it may: jaxlib's
     "triton_kernel_call_ffi" does (lowering "ffi"); jax-triton 0.3.1's triton_call lowers to the
@@ -253,4 +254,6 @@ def test_xla_command_buffer_thunk_dump(triton_gpu, tmp_path, lowering):
     counts = {m: testing.custom_calls_in_command_buffers(testing.thunk_sequence(dump, m)) for m in runs}
     if lowering == "triton_call" and not any(counts.values()):
         pytest.xfail(f"the legacy triton_kernel_call custom calls run outside XLA's command buffers: {counts}")
-    assert counts == {"split_steps": 4, "row_steps": 2}, testing.thunk_sequence(dump, "split_steps")[:3000]
+    assert counts == {"split_steps": 4, "row_steps": 2, "sync_steps": 2}, testing.thunk_sequence(dump, "split_steps")[
+        :3000
+    ]

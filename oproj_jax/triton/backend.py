@@ -2,7 +2,8 @@
 
 Each launch is one custom call, the prefix aliased input to output (`input_output_aliases`), so
 a jitted caller that donates `prefix` has it updated in place; the split variants pass the
-chunks' dot products to their second kernel in an f32 scratch output.
+chunks' dot products to their second kernel in an f32 scratch output, the sync variants to
+themselves, with int32 arrival counters that the kernel call zeroes before the launch.
 The same plan.Plan as torch_launch.py: a JAX call and a PyTorch call of one shape compile the
 same kernels and give the same bits.
 
@@ -84,7 +85,7 @@ def _name(launch: launch_plan.Launch) -> str:
     return f"oproj_consumer_triton_{launch.kernel}"
 
 
-def _via_triton_call(launch: launch_plan.Launch, arrays, out_shape, aliases, compute_capability):
+def _via_triton_call(launch: launch_plan.Launch, arrays, out_shape, aliases, zeroed, compute_capability):
     """jax_triton.triton_call: its custom call "triton_kernel_call" (a legacy custom call)."""
     from jax_triton import triton_call
 
@@ -97,13 +98,14 @@ def _via_triton_call(launch: launch_plan.Launch, arrays, out_shape, aliases, com
         grid=launch.grid,
         name=_name(launch),
         input_output_aliases=aliases,
+        zeroed_outputs=zeroed,
         compute_capability=compute_capability,
         **launch.options(),
         **dict(launch.constexprs),
     )
 
 
-def _via_ffi(launch: launch_plan.Launch, arrays, out_shape, aliases, compute_capability):
+def _via_ffi(launch: launch_plan.Launch, arrays, out_shape, aliases, zeroed, compute_capability):
     """The kernel compiled by jax_triton as triton_call compiles it, the launch the same kernel
     call (the same proto), sent to jaxlib's XLA FFI target FFI_TARGET: XLA records a custom call
     into its command buffers only through an FFI handler that says it may, as this one does
@@ -126,8 +128,10 @@ def _via_ffi(launch: launch_plan.Launch, arrays, out_shape, aliases, compute_cap
         dump=False,
         **launch.options(),
     )
-    # Every buffer 16-byte aligned, as triton_call assumes (the kernel is specialized on it).
-    params = [gpu_triton.create_array_parameter(0, 16) for _ in types]
+    # Every buffer 16-byte aligned, as triton_call assumes (the kernel is specialized on it); the
+    # kernel call zeroes the `zeroed` outputs (a memset on the stream before the launch).
+    sizes = [0] * len(arrays) + [x.size * x.dtype.itemsize if i in zeroed else 0 for i, x in enumerate(out_shape)]
+    params = [gpu_triton.create_array_parameter(size, 16) for size in sizes]
     call = gpu_triton.TritonKernelCall(compiled, *(*launch.grid, 1, 1)[:3], params)
     opaque = zlib.compress(call.to_proto(_name(launch), b""))
     return jax.ffi.ffi_call(FFI_TARGET, out_shape, input_output_aliases=aliases)(*arrays, opaque=opaque)
@@ -150,8 +154,8 @@ def _call(plan: launch_plan.Plan, compute_capability: int | None, lowering: str)
     launch_plan.repair_cache_dir()
     lower = LOWERINGS[lowering]
 
-    def run(launch: launch_plan.Launch, *arrays, out_shape, aliases=None):
-        return lower(launch, arrays, out_shape, aliases, compute_capability)
+    def run(launch: launch_plan.Launch, *arrays, out_shape, aliases=None, zeroed=()):
+        return lower(launch, arrays, out_shape, aliases, zeroed, compute_capability)
 
     def call(mailbox, prefix, blocks, norm, query, out_norm):
         T, H = prefix.shape
@@ -161,12 +165,17 @@ def _call(plan: launch_plan.Plan, compute_capability: int | None, lowering: str)
         # xmoe_replicas = 0, norm for the blocks at NB = 0 (an empty operand may have no address).
         xmoe = jax.ShapeDtypeStruct((reps, T, H) if reps else (1,), jnp.bfloat16)
         blocks = blocks if blocks.shape[1] else norm
+        args = (mailbox, prefix, blocks, norm, query, out_norm)
         if plan.stats_shape is None:  # one program per token: one kernel
             (single,) = plan.launches
-            args = (mailbox, prefix, blocks, norm, query, out_norm)
             return run(single, *args, out_shape=(rows, rows, xmoe), aliases={1: 0})
-        sums, outs = plan.launches
         stats = jax.ShapeDtypeStruct(plan.stats_shape, jnp.float32)
+        if plan.arrivals_shape is not None:  # sync: one kernel, its arrival counters zeroed by the launch
+            (single,) = plan.launches
+            arrivals = jax.ShapeDtypeStruct(plan.arrivals_shape, jnp.int32)
+            scratch = (stats, arrivals)
+            return run(single, *args, out_shape=(rows, rows, xmoe, *scratch), aliases={1: 0}, zeroed=(4,))[:3]
+        sums, outs = plan.launches
         new_prefix, stats = run(sums, mailbox, prefix, blocks, norm, query, out_shape=(rows, stats), aliases={1: 0})
         output, xmoe = run(outs, new_prefix, blocks, out_norm, stats, out_shape=(rows, xmoe))
         return new_prefix, output, xmoe

@@ -15,6 +15,10 @@ constexpr. Offsets are int64 (R * T * H overflows int32 at large T).
                      chunk's dot products go to a scratch record.
   split_out_kernel   grid (T, C): adds the chunks' records in chunk order, so every program of a
                      token derives the same weights, then writes its chunk of the output.
+  sync_kernel        grid (C, T): C programs per token in one launch, meeting at two barriers
+                     in global memory (arrival counters, zeroed before the launch): after the dot
+                     products and squares of their chunks (for the weights), after y.y (for
+                     the output scale); each keeps its blocks and prefix in registers.
 
 Variants and their launch parameters: plan.py.
 
@@ -224,6 +228,13 @@ def _source_tile(blocks, t, offs, mask, p, NB: tl.constexpr, H: tl.constexpr, SO
 
 
 @triton.jit
+def _out_scale(quad, H: tl.constexpr, OUT_EPS: tl.constexpr):
+    """rstd of the output from y.y; y.y >= 0 in exact arithmetic, but a cancelling mix can round
+    below it; a NaN stays NaN."""
+    return tl.rsqrt(tl.where(quad < 0.0, 0.0, quad) / H + OUT_EPS)
+
+
+@triton.jit
 def _mix(
     dots, gram, NB: tl.constexpr, H: tl.constexpr, EPS: tl.constexpr, OUT_EPS: tl.constexpr, SOURCES: tl.constexpr
 ):
@@ -239,10 +250,7 @@ def _mix(
         alpha = e / tl.sum(e, axis=0)
     # Only real pairs: a padding row times an infinite source is 0 * inf = NaN.
     terms = tl.where(real[:, None] & real[None, :], alpha[:, None] * gram * alpha[None, :], 0.0)
-    quad = tl.sum(tl.sum(terms, axis=1), axis=0)
-    # >= 0 in exact arithmetic, but a cancelling mix can round below it; a NaN stays NaN.
-    quad = tl.where(quad < 0.0, 0.0, quad)
-    return alpha, tl.rsqrt(quad / H + OUT_EPS)
+    return alpha, _out_scale(tl.sum(tl.sum(terms, axis=1), axis=0), H, OUT_EPS)
 
 
 @triton.jit
@@ -386,3 +394,150 @@ def split_out_kernel(
     for k in tl.static_range(0, BLOCK, SUB):
         offs = c * BLOCK + k + tl.arange(0, SUB)
         _out_tile(prefix, blocks, out_norm, output, xmoe, t, T, offs, offs < H, alpha, scale, NB, H, REPS, SOURCES)
+
+
+# ---- sync: a token's programs in one launch, meeting at barriers ------------------------------
+#
+# Programs are dispatched in grid order and the chunk is the fastest grid axis, so a token's C
+# programs are dispatched together: a program waits only for programs of its own token that are
+# already running or next in line, which holds as long as C programs fit on the GPU at once
+# (plan.SYNC_MAX_CHUNKS keeps C far below that).
+#
+# A barrier counts arrivals on an int32 counter per token (and barrier), zeroed before the launch:
+# a kernel cannot tell its own launch from an earlier one by anything it can read (%gridid, for
+# one, repeats on every replay of a CUDA graph), so a counter or tag left by an earlier launch
+# must not survive into this one.
+
+
+@triton.jit
+def _arrive_and_wait(counter, CHUNKS: tl.constexpr, POLLS: tl.constexpr):
+    """Counts this program in at `counter` and returns once all CHUNKS programs of the token
+    have; past POLLS polls the kernel traps (a launch error, never silent garbage)."""
+    # bar.sync first: the release below then covers every thread's record stores (a barrier
+    # orders them before thread 0's atomic; the release is cumulative over them).
+    tl.debug_barrier()
+    # A scalar atomic runs in one thread of the program, its result broadcast to all.
+    seen = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") + 1
+    polls = 0
+    while (seen < CHUNKS) & (polls < POLLS):
+        seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+        polls += 1
+    if seen < CHUNKS:
+        tl.inline_asm_elementwise("trap;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    # The other threads read the records only after thread 0's acquire.
+    tl.debug_barrier()
+
+
+@triton.jit
+def _token_sum(stats, t, lanes, written, CHUNKS: tl.constexpr, SPAN: tl.constexpr, RECORD: tl.constexpr):
+    """Lanes `lanes` of token t's CHUNKS records (SPAN: CHUNKS rounded up to a power of two),
+    added over the chunks (0 where not `written`): every program of the token runs this same
+    code on the same records, so all of them get the same bits."""
+    k = tl.arange(0, SPAN)
+    rows = stats + (t * CHUNKS + k)[:, None] * RECORD + lanes[None, :]
+    # .cg: from L2, where the other programs' stores are (never a line this SM cached).
+    tile = tl.load(rows, mask=(k < CHUNKS)[:, None] & written[None, :], other=0.0, cache_modifier=".cg")
+    return tl.sum(tile, axis=0)
+
+
+@triton.jit
+def _sync_weights(
+    stats, t, NB: tl.constexpr, H: tl.constexpr, EPS: tl.constexpr, ROWS: tl.constexpr,
+    CHUNKS: tl.constexpr, SPAN: tl.constexpr, RECORD: tl.constexpr,
+):  # fmt: skip
+    """The softmax weights of token t's blocks ([ROWS]) and of its new prefix p, from its
+    records' dot products and squares."""
+    j = tl.arange(0, ROWS)
+    real = j < NB
+    dots = _token_sum(stats, t, j, real, CHUNKS, SPAN, RECORD)
+    squares = _token_sum(stats, t, ROWS + j, real, CHUNKS, SPAN, RECORD)
+    two = tl.arange(0, 2)
+    mine = _token_sum(stats, t, 2 * ROWS + two, two < 2, CHUNKS, SPAN, RECORD)  # p.w, p.p
+    p_dot = tl.sum(tl.where(two == 0, mine, 0.0), axis=0)
+    p_square = tl.sum(tl.where(two == 1, mine, 0.0), axis=0)
+    logits = tl.where(real, dots * tl.rsqrt(squares / H + EPS), float("-inf"))
+    logit = p_dot * tl.rsqrt(p_square / H + EPS)
+    top = tl.maximum(tl.max(logits, axis=0), logit)
+    e = tl.exp(logits - top)
+    e_p = tl.exp(logit - top)  # a NaN logit reaches the denominator: every weight is NaN
+    den = tl.sum(e, axis=0) + e_p
+    return e / den, e_p / den
+
+
+@triton.jit
+def sync_kernel(
+    mailbox,
+    prefix_in,
+    blocks,
+    norm,
+    query,
+    out_norm,
+    prefix_out,
+    output,
+    xmoe,
+    stats,
+    arrivals,
+    R: tl.constexpr,
+    NB: tl.constexpr,
+    H: tl.constexpr,
+    GROUPS: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+    REPS: tl.constexpr,
+    EPS: tl.constexpr,
+    OUT_EPS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    SPAN: tl.constexpr,
+    POLLS: tl.constexpr,
+    PHASE: tl.constexpr,
+):
+    """Grid (C, T): chunk c of token t, its blocks as a [ROWS, BLOCK] tile and its new prefix p
+    held in registers throughout. `stats` holds a record of 2 * ROWS + 3 f32 lanes per chunk:
+    the blocks' dots b_j.w (lanes j) and squares b_j.b_j (ROWS + j), p.w and p.p (2 * ROWS,
+    2 * ROWS + 1), y.y (2 * ROWS + 2), over the chunk's columns; `arrivals` ([T, 2] int32) the
+    two barriers' arrival counters, zero at launch. The weights need every chunk's dots and
+    squares (barrier 1), the output scale every chunk's y.y (barrier 2).
+
+    PHASE 0 runs it all; PHASE 1, 2, 3 are its three stretches between the barriers as three
+    launches, for Triton's interpreter (it runs one program after another, so cannot run a
+    barrier): 2 and 3 read p back from the stored prefix, 3 recomputes y (the same operations
+    on the same values, so the same bits)."""
+    RECORD: tl.constexpr = 2 * ROWS + 3
+    c = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
+    T = tl.num_programs(1).to(tl.int64)
+    offs = c * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < H
+    j = tl.arange(0, ROWS)
+    record = stats + (t * CHUNKS + c) * RECORD
+    rows = blocks + (t * NB + j[:, None]) * H + offs[None, :]
+    b = _widen(tl.load(rows, mask=(j[:, None] < NB) & mask[None, :], other=0.0))
+    if PHASE <= 1:
+        p_bits = _new_prefix(mailbox, prefix_in, t, T, offs, mask, R, H, GROUPS, HAS_DELTA)
+        tl.store(prefix_out + t * H + offs, _as_bf16(p_bits), mask=mask)
+        p = _as_f32(p_bits)
+        w = _weights(norm, query, offs, mask)
+        tl.store(record + j, tl.sum(b * w[None, :], axis=1), mask=j < NB)
+        tl.store(record + ROWS + j, tl.sum(b * b, axis=1), mask=j < NB)
+        tl.store(record + 2 * ROWS, tl.sum(p * w, axis=0))
+        tl.store(record + 2 * ROWS + 1, tl.sum(p * p, axis=0))
+    else:
+        p = _widen(tl.load(prefix_out + t * H + offs, mask=mask, other=0.0))
+    if PHASE == 0:
+        _arrive_and_wait(arrivals + 2 * t, CHUNKS, POLLS)
+    if PHASE != 1:
+        if NB == 0:
+            y = p  # one source: its weight is exactly 1 (docs/spec.md)
+        else:
+            alpha, alpha_p = _sync_weights(stats, t, NB, H, EPS, ROWS, CHUNKS, SPAN, RECORD)
+            y = tl.sum(alpha[:, None] * b, axis=0) + alpha_p * p  # padding rows: 0 times a zero row
+    if PHASE == 0 or PHASE == 2:
+        tl.store(record + 2 * ROWS + 2, tl.sum(y * y, axis=0))
+    if PHASE == 0:
+        _arrive_and_wait(arrivals + 2 * t + 1, CHUNKS, POLLS)
+    if PHASE == 0 or PHASE == 3:
+        lane = 2 * ROWS + 2 + tl.arange(0, 1)
+        yy = tl.sum(_token_sum(stats, t, lane, lane >= 0, CHUNKS, SPAN, RECORD), axis=0)
+        on = _widen(tl.load(out_norm + offs, mask=mask, other=0.0))
+        _store_output(output, xmoe, t, T, offs, mask, (y * _out_scale(yy, H, OUT_EPS)) * on, REPS, H)

@@ -16,6 +16,13 @@ Variants (kernel.py has the kernels), named kind-columns-warps:
   split-*         split_sum_kernel then split_out_kernel, grid (T, C): C programs per token,
                   each owning `block` columns; the chunks' dot products meet in a scratch
                   buffer. For small T, where one program per token would leave most SMs idle.
+  sync-*          sync_kernel, grid (C, T): C programs per token in one launch, meeting at two
+                  barriers (int32 arrival counters that the launch zeroes); each program
+                  keeps its blocks ([pow2(NB), block]) and prefix in registers throughout, and
+                  no Gram matrix: the weights from the chunks' dots and squares, then y.y from
+                  their y. C <= SYNC_MAX_CHUNKS, so a token's programs fit on the GPU at once.
+                  Triton's interpreter runs it as three launches, the stretches between the
+                  barriers.
 """
 
 from __future__ import annotations
@@ -28,6 +35,12 @@ import os
 SOURCES = 16  # rows of the tile and split kernels' source tiles: NB + 1 <= 9, padded (tl.dot takes >= 16)
 ROW_MAX_H = 16384  # row: a whole row lives in registers; above this the tile and split variants run
 MAX_RANKS = 64  # the rank sum is unrolled at compile time, one load per rank
+# sync: a token's programs wait for each other, so all of them must fit on the GPU at once. Two
+# programs of up to 16 warps fit on any SM of sm_80 or newer; 32 fit on a GPU of 16 SMs.
+SYNC_MAX_CHUNKS = 32
+# sync: polls of the arrival counter before the kernel traps (a launch error): seconds, where a
+# token's programs meet within microseconds.
+SYNC_POLLS = 1 << 24
 NUM_STAGES = 1  # no software-pipelined loops in these kernels
 # No FMA contraction anywhere: the prefix path is adds only, and with contraction off the PTX
 # carries .rn on every f32 mul/add, so the CUDA driver's JIT (JAX) and ptxas (PyTorch) emit the
@@ -37,9 +50,9 @@ ENABLE_FP_FUSION = False
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    kind: str  # "row", "tile" or "split"
-    block: int  # split: columns per program; otherwise 0 (the whole row)
-    sub: int  # tile, split: columns per [SOURCES, sub] tile; row: 0
+    kind: str  # "row", "tile", "split" or "sync"
+    block: int  # split, sync: columns per program; otherwise 0 (the whole row)
+    sub: int  # tile, split, sync: columns per [SOURCES, sub] tile (sync: one tile, sub = block); row: 0
     num_warps: int
 
     @property
@@ -60,21 +73,33 @@ VARIANTS = {
         Variant("split", 512, 256, 4),
         Variant("split", 1024, 256, 4),
         Variant("split", 2048, 512, 8),
+        Variant("sync", 256, 256, 2),
+        Variant("sync", 256, 256, 4),
+        Variant("sync", 512, 512, 4),
+        Variant("sync", 512, 512, 8),
+        Variant("sync", 1024, 1024, 4),
+        Variant("sync", 1024, 1024, 8),
+        Variant("sync", 2048, 2048, 8),
+        Variant("sync", 2048, 2048, 16),
     )
 }
 
 # The default rule: the first (largest T, variant) whose bound holds. Chosen by kernel time on
-# the H200 (benchmarks/triton_gpu.py, every variant at each T; docs/perf.md): one program per
-# token holding the row in registers was fastest at every T measured; the split variants (meant
-# for small T) were slower than it even at T = 1. 8 warps up to 64 tokens, 16 above.
-RULE = ((64, "row-w8"), (math.inf, "row-w16"))
+# the H200 (benchmarks/triton_gpu.py, every variant at each T; docs/perf.md): up to 64 tokens a
+# token's row split over 14 or 4 programs that meet at barriers (sync), at 512 one program per
+# token holding the row in registers (row), above it the row over 7 programs again.
+RULE = ((8, "sync-512-w4"), (64, "sync-2048-w8"), (512, "row-w16"), (math.inf, "sync-1024-w4"))
 WIDE_ROW = "tile-512-w8"  # in place of a row variant where H > ROW_MAX_H
 
 
 def default_variant(T: int, H: int) -> str:
-    """The variant the launchers take for T tokens of hidden size H when none is named."""
+    """The variant the launchers take for T tokens of hidden size H when none is named: RULE's,
+    or where H is too wide for it, one program per token (row, or tile above ROW_MAX_H)."""
     name = next(name for bound, name in RULE if T <= bound)
-    return WIDE_ROW if H > ROW_MAX_H and VARIANTS[name].kind == "row" else name
+    chosen = VARIANTS[name]
+    if chosen.kind == "sync" and -(-H // chosen.block) > SYNC_MAX_CHUNKS:
+        name, chosen = "row-w16", VARIANTS["row-w16"]
+    return WIDE_ROW if H > ROW_MAX_H and chosen.kind == "row" else name
 
 
 def choose(variant: str | None, T: int, H: int) -> Variant:
@@ -86,6 +111,11 @@ def choose(variant: str | None, T: int, H: int) -> Variant:
     if chosen.kind == "row" and H > ROW_MAX_H:
         raise ValueError(
             f"variant: {name!r} holds a row in registers, H <= {ROW_MAX_H}; got H={H} (take a tile or split one)"
+        )
+    if chosen.kind == "sync" and -(-H // chosen.block) > SYNC_MAX_CHUNKS:
+        raise ValueError(
+            f"variant: {name!r} runs H / {chosen.block} programs per token that wait for each other, at most "
+            f"{SYNC_MAX_CHUNKS}: H <= {SYNC_MAX_CHUNKS * chosen.block}; got H={H} (take a wider sync or a split one)"
         )
     return chosen
 
@@ -116,7 +146,20 @@ class Launch:
 class Plan:
     variant: Variant
     launches: tuple[Launch, ...]  # in order; split: the sum kernel, then the output kernel
-    stats_shape: tuple[int, ...] | None  # split: the f32 scratch [T, C, record] between the two
+    stats_shape: tuple[int, ...] | None  # split, sync: the f32 scratch [T, C, record] between the halves
+    arrivals_shape: tuple[int, ...] | None = None  # sync: its barriers' int32 counters [T, 2], zeroed by the launch
+
+    def stages(self) -> tuple[Launch, ...]:
+        """sync: its launch as the stretches between its barriers, one launch each (PHASE 1, 2,
+        3), for Triton's interpreter; otherwise the launches."""
+        if self.arrivals_shape is None:
+            return self.launches
+        (whole,) = self.launches
+        constexprs = dict(whole.constexprs)
+        return tuple(
+            dataclasses.replace(whole, constexprs=tuple(sorted({**constexprs, "PHASE": phase}.items())))
+            for phase in (1, 2, 3)
+        )
 
 
 @functools.lru_cache(maxsize=256)  # eager PyTorch calls ask for the same plan again and again
@@ -145,6 +188,12 @@ def make(
     if chosen.kind == "tile":
         return Plan(chosen, (launch("tile_kernel", (T,), dict(sums, **outs, **tiles)),), None)
     chunks = -(-H // chosen.block)
+    if chosen.kind == "sync":
+        rows = _pow2(max(NB, 1))  # the blocks' tile; kernel.sync_kernel's record has 2 * rows + 3 lanes
+        span = dict(BLOCK=chosen.block, ROWS=rows, CHUNKS=chunks, SPAN=_pow2(chunks))
+        whole = dict(sums, **outs, **span, POLLS=SYNC_POLLS, PHASE=0)
+        scratch = dict(stats_shape=(T, chunks, 2 * rows + 3), arrivals_shape=(T, 2))
+        return Plan(chosen, (launch("sync_kernel", (chunks, T), whole),), **scratch)
     tiles["BLOCK"] = chosen.block
     first = launch("split_sum_kernel", (T, chunks), dict(sums, **tiles))
     second = launch("split_out_kernel", (T, chunks), dict(outs, **tiles, CHUNKS=chunks))

@@ -3,8 +3,9 @@
     from oproj_jax.triton import torch_launch
     prefix, output, xmoe = torch_launch.consumer(mailbox, prefix, blocks, norm, query, out_norm, groups=4)
 
-`prefix` is updated in place (and returned); output and xmoe are new tensors. One launch (row
-and tile variants) or two (split variants) on the current stream, no host synchronization: the
+`prefix` is updated in place (and returned); output and xmoe are new tensors. One launch (row,
+tile and sync variants; sync after zeroing its arrival counters) or two (split variants) on the
+current stream, no host synchronization: the
 call can be captured in a CUDA graph. With TRITON_INTERPRET=1 in the environment before kernel.py is
 imported, the kernels run in Triton's interpreter on CPU tensors (slow; for tests).
 """
@@ -87,6 +88,12 @@ def consumer(mailbox, prefix, blocks, norm, query, out_norm, *, variant: str | N
         if plan.stats_shape is None:  # one program per token: one kernel
             (single,) = plan.launches
             _run(single, mailbox, prefix, blocks_arg, norm, query, out_norm, prefix, output, xmoe_arg)
+        elif plan.arrivals_shape is not None:  # sync: one kernel (interpreted: one launch per barrier stretch)
+            stats = torch.empty(plan.stats_shape, dtype=torch.float32, device=prefix.device)
+            arrivals = torch.zeros(plan.arrivals_shape, dtype=torch.int32, device=prefix.device)
+            arrays = (mailbox, prefix, blocks_arg, norm, query, out_norm, prefix, output, xmoe_arg, stats, arrivals)
+            for launch in plan.stages() if interpreted() else plan.launches:
+                _run(launch, *arrays)
         else:
             sums, outs = plan.launches
             stats = torch.empty(plan.stats_shape, dtype=torch.float32, device=prefix.device)
