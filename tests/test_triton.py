@@ -418,7 +418,8 @@ def test_default_rule_by_tokens():
     assert plan.default_variant(1, 16896) == plan.WIDE_ROW
     assert plan.default_variant(512, 32768) == plan.WIDE_ROW  # a row too wide for registers
     assert plan.default_variant(4096, 32768) == "sync-1024-w4"  # 32 chunks
-    for T in (1, 64, 512, 4096):  # every default is a variant the plan accepts at that H
+    assert plan.default_variant(65536, 7168) == "row-w16"  # more tokens than a sync grid takes
+    for T in (1, 64, 512, 4096, 65536):  # every default is a variant the plan accepts at that T and H
         for H in (256, 7168, 16384, 16896, 32768):
             plan.make(16, T, 8, H, **PRODUCTION, variant=plan.default_variant(T, H))
     assert all(plan.VARIANTS[name].name == name for name in plan.VARIANTS)
@@ -453,6 +454,11 @@ def test_plan_refuses_unknown_and_oversized_variants():
     with pytest.raises(ValueError, match=r"variant: 'sync-256-w4' runs H / 256 programs per token .* at most 32"):
         plan.make(16, 3, 8, 8448, **PRODUCTION, variant="sync-256-w4")  # 33 chunks
     assert plan.make(16, 3, 8, 8192, **PRODUCTION, variant="sync-256-w4").launches[0].grid == (32, 3)
+    with pytest.raises(
+        ValueError, match=r"variant: 'sync-1024-w4' puts the tokens on the grid's second axis, T <= 65535"
+    ):
+        plan.make(16, 65536, 8, 7168, **PRODUCTION, variant="sync-1024-w4")
+    assert plan.make(16, 65535, 8, 7168, **PRODUCTION, variant="sync-1024-w4").launches[0].grid == (7, 65535)
     assert "R <= 64" in plan.unsupported_reason(65) and plan.unsupported_reason(16) is None
 
 

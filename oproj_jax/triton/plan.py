@@ -20,7 +20,9 @@ Variants (kernel.py has the kernels), named kind-columns-warps:
                   barriers (int32 arrival counters that the launch zeroes); each program
                   keeps its blocks ([pow2(NB), block]) and prefix in registers throughout, and
                   no Gram matrix: the weights from the chunks' dots and squares, then y.y from
-                  their y. C <= SYNC_MAX_CHUNKS, so a token's programs fit on the GPU at once.
+                  their y. C <= SYNC_MAX_CHUNKS, so a token's programs fit on the GPU at once;
+                  T <= SYNC_MAX_TOKENS (the grid's second axis); the default rule takes a row
+                  variant past either bound.
                   Triton's interpreter runs it as three launches, the stretches between the
                   barriers.
 """
@@ -41,6 +43,9 @@ SYNC_MAX_CHUNKS = 32
 # sync: polls of the arrival counter before the kernel traps (a launch error): seconds, where a
 # token's programs meet within microseconds.
 SYNC_POLLS = 1 << 24
+# sync: the tokens are the grid's second axis (the chunks the first, so that a token's programs
+# are dispatched together), which CUDA bounds at 65535.
+SYNC_MAX_TOKENS = 65535
 NUM_STAGES = 1  # no software-pipelined loops in these kernels
 # No FMA contraction anywhere: the prefix path is adds only, and with contraction off the PTX
 # carries .rn on every f32 mul/add, so the CUDA driver's JIT (JAX) and ptxas (PyTorch) emit the
@@ -97,9 +102,21 @@ def default_variant(T: int, H: int) -> str:
     or where H is too wide for it, one program per token (row, or tile above ROW_MAX_H)."""
     name = next(name for bound, name in RULE if T <= bound)
     chosen = VARIANTS[name]
-    if chosen.kind == "sync" and -(-H // chosen.block) > SYNC_MAX_CHUNKS:
+    if chosen.kind == "sync" and _sync_limit(chosen, T, H):
         name, chosen = "row-w16", VARIANTS["row-w16"]
     return WIDE_ROW if H > ROW_MAX_H and chosen.kind == "row" else name
+
+
+def _sync_limit(chosen: Variant, T: int, H: int) -> str | None:
+    """Why the sync variant `chosen` cannot run T tokens of H, or None."""
+    if -(-H // chosen.block) > SYNC_MAX_CHUNKS:
+        return (
+            f"runs H / {chosen.block} programs per token that wait for each other, at most {SYNC_MAX_CHUNKS}: "
+            f"H <= {SYNC_MAX_CHUNKS * chosen.block}; got H={H} (take a wider sync or a split one)"
+        )
+    if T > SYNC_MAX_TOKENS:
+        return f"puts the tokens on the grid's second axis, T <= {SYNC_MAX_TOKENS} (CUDA's bound); got T={T}"
+    return None
 
 
 def choose(variant: str | None, T: int, H: int) -> Variant:
@@ -112,11 +129,9 @@ def choose(variant: str | None, T: int, H: int) -> Variant:
         raise ValueError(
             f"variant: {name!r} holds a row in registers, H <= {ROW_MAX_H}; got H={H} (take a tile or split one)"
         )
-    if chosen.kind == "sync" and -(-H // chosen.block) > SYNC_MAX_CHUNKS:
-        raise ValueError(
-            f"variant: {name!r} runs H / {chosen.block} programs per token that wait for each other, at most "
-            f"{SYNC_MAX_CHUNKS}: H <= {SYNC_MAX_CHUNKS * chosen.block}; got H={H} (take a wider sync or a split one)"
-        )
+    limit = _sync_limit(chosen, T, H) if chosen.kind == "sync" else None
+    if limit:
+        raise ValueError(f"variant: {name!r} {limit}")
     return chosen
 
 
