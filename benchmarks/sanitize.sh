@@ -66,12 +66,11 @@ sanitize() {  # sanitize TOOL NAME SELECT TESTS...: one bounded compute-sanitize
   echo "== $name: rc=$rc ($((SECONDS - t0)) s) ${summary:-no summary line} | pytest: ${verdict:-no result line}"
 }
 for tool in $tools; do
+  ours=$filter triton="--kernel-name kns=sync_kernel"
   # initcheck tracks which bytes were written; memory our kernels read was written by XLA's
   # kernels (the inputs, zeroed flags), so every kernel is instrumented there, not only ours
-  select=$filter
-  [ "$tool" = initcheck ] && select=""
-  sanitize "$tool" "$tool" "$select" "${tests[@]}" &
-  [ "$tool" = initcheck ] || select="--kernel-name kns=sync_kernel"
-  sanitize "$tool" "triton-$tool" "$select" "${triton_tests[@]}" &
+  [ "$tool" = initcheck ] && ours="" triton=""
+  sanitize "$tool" "$tool" "$ours" "${tests[@]}" &
+  sanitize "$tool" "triton-$tool" "$triton" "${triton_tests[@]}" &
 done
 wait

@@ -173,8 +173,8 @@ def _call(plan: launch_plan.Plan, compute_capability: int | None, lowering: str)
         if plan.arrivals_shape is not None:  # sync: one kernel, its arrival counters zeroed by the launch
             (single,) = plan.launches
             arrivals = jax.ShapeDtypeStruct(plan.arrivals_shape, jnp.int32)
-            scratch = (stats, arrivals)
-            return run(single, *args, out_shape=(rows, rows, xmoe, *scratch), aliases={1: 0}, zeroed=(4,))[:3]
+            outs = (rows, rows, xmoe, stats, arrivals)  # the counters last: the one output zeroed
+            return run(single, *args, out_shape=outs, aliases={1: 0}, zeroed=(len(outs) - 1,))[:3]
         sums, outs = plan.launches
         new_prefix, stats = run(sums, mailbox, prefix, blocks, norm, query, out_shape=(rows, stats), aliases={1: 0})
         output, xmoe = run(outs, new_prefix, blocks, out_norm, stats, out_shape=(rows, xmoe))

@@ -7,7 +7,7 @@ bits. No JAX, no PyTorch here.
 
 Variants (kernel.py has the kernels), named kind-columns-warps:
   row-w{8,16,32}  row_kernel: one program per token holds the whole row (next power of two >= H
-                  lanes) in registers, one pass over memory. For large T. At R=16 NB=8 ptxas
+                  lanes) in registers, one pass over memory. At R=16 NB=8 ptxas
                   gives row-w8 255 registers a thread (and spills), row-w16 110, row-w32 64: one
                   program per SM each, with 8, 16 or 32 warps in flight.
   tile-*          tile_kernel: one program per token, two passes over `sub`-column tiles (the
@@ -57,7 +57,7 @@ ENABLE_FP_FUSION = False
 class Variant:
     kind: str  # "row", "tile", "split" or "sync"
     block: int  # split, sync: columns per program; otherwise 0 (the whole row)
-    sub: int  # tile, split, sync: columns per [SOURCES, sub] tile (sync: one tile, sub = block); row: 0
+    sub: int  # tile, split: columns per [SOURCES, sub] tile; sync: unused (= block); row: 0
     num_warps: int
 
     @property
@@ -95,6 +95,7 @@ VARIANTS = {
 # token holding the row in registers (row), above it the row over 7 programs again.
 RULE = ((8, "sync-512-w4"), (64, "sync-2048-w8"), (512, "row-w16"), (math.inf, "sync-1024-w4"))
 WIDE_ROW = "tile-512-w8"  # in place of a row variant where H > ROW_MAX_H
+SYNC_FALLBACK = "row-w16"  # in place of RULE's sync variant past its bounds (_sync_limit)
 
 
 def default_variant(T: int, H: int) -> str:
@@ -103,7 +104,7 @@ def default_variant(T: int, H: int) -> str:
     name = next(name for bound, name in RULE if T <= bound)
     chosen = VARIANTS[name]
     if chosen.kind == "sync" and _sync_limit(chosen, T, H):
-        name, chosen = "row-w16", VARIANTS["row-w16"]
+        name, chosen = SYNC_FALLBACK, VARIANTS[SYNC_FALLBACK]
     return WIDE_ROW if H > ROW_MAX_H and chosen.kind == "row" else name
 
 
