@@ -1,8 +1,8 @@
-"""Builds the XLA FFI library of the cute backend into the package at install time.
+"""Builds the XLA FFI library (the cute and triton targets) into the package at install time.
 
 Everything else about the package is declared in pyproject.toml. This file adds two commands:
 
-* build_py also compiles oproj_jax/cute/csrc/*.cc with g++ into oproj_jax/_lib/liboproj_ffi.so:
+* build_py also compiles oproj_jax/{cute,triton}/csrc/*.cc with g++ into oproj_jax/_lib/liboproj_ffi.so:
   into the wheel (`pip install .`, `pip wheel .`) or, for an editable install, into the
   checkout. It builds against the jaxlib headers of the build environment (jaxlib is pinned in
   [build-system] requires) and cuda.h from the nvidia-cuda-runtime wheel there, $CUDA_HOME or

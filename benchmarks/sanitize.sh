@@ -7,7 +7,8 @@
 #   pallas                tests/test_pallas.py::test_parity_gpu (default build and the 7-CTA split)
 #   peer publish + consumer  tests/test_peer_gpu.py::test_peer_bits_equal_oneshot (2 GPUs or more)
 #   triton sync           tests/test_triton_gpu.py, the sync kernel's launches from JAX and PyTorch
-#                         (its barriers: counters, polls, records), a CUDA graph replay
+#                         (its barriers: counters, polls, records), a CUDA graph replay, a
+#                         jitted call through the package's launch target (graph node)
 # One process per tool (memcheck, racecheck, synccheck, initcheck) and per group (the cute and
 # Pallas kernels; the Triton sync kernel), the eight in parallel, each
 # bounded in time; memcheck, racecheck and synccheck instrument only our kernels (--kernel-name,
@@ -16,12 +17,14 @@
 # reported (cuda-python probes driver entry points that do not exist, which is not a device
 # memory error). A log ends with "ERROR SUMMARY: N errors" (racecheck: "RACECHECK SUMMARY").
 # Build first (python -m oproj_jax.build) and carry oproj_jax/_lib and oproj_jax/cute/cubins.
-# Usage on the GPU machine: bash benchmarks/sanitize.sh OUTDIR [SECONDS_PER_TOOL] [TOOLS]
-# (TOOLS: a space-separated subset of "memcheck racecheck synccheck initcheck", default all four)
+# Usage on the GPU machine: bash benchmarks/sanitize.sh OUTDIR [SECONDS_PER_TOOL] [TOOLS] [GROUPS]
+# (TOOLS: a space-separated subset of "memcheck racecheck synccheck initcheck", default all four;
+# GROUPS: of "ours triton", default both)
 set -u
 out=${1:-${OUT:-/tmp/oproj_sanitize}}
 limit=${2:-240}
 tools=${3:-memcheck racecheck synccheck initcheck}
+groups=${4:-ours triton}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} XLA_PYTHON_CLIENT_PREALLOCATE=false NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
 gpus=$(nvidia-smi -L | wc -l)
@@ -46,9 +49,11 @@ if [ "$gpus" -ge 2 ]; then
 fi
 # the Triton sync kernel (its in-kernel barriers), both launches, under its own filter below
 triton_tests=(
+  "tests/test_triton_gpu.py::test_jax_and_torch_launches_agree_with_each_other_and_the_oracle[R16-T1-NB8-G4-sync-256-w1]"
   "tests/test_triton_gpu.py::test_jax_and_torch_launches_agree_with_each_other_and_the_oracle[R16-T1-NB8-G4-sync-512-w4]"
   "tests/test_triton_gpu.py::test_jax_and_torch_launches_agree_with_each_other_and_the_oracle[R16-T64-NB8-G4-sync-2048-w8]"
   "tests/test_triton_gpu.py::test_torch_launch_replays_in_a_cuda_graph[sync-256-w4]"
+  "tests/test_triton_gpu.py::test_donated_prefix_is_updated_in_place[sync-2048-w8-64-library]"
 )
 # cute consumer and publish kernels: "..._oproj_jaxcutekernelOprojConsumer_..." and
 # "..._oproj_jaxcutepublishPublish_..."; the Pallas kernel: pallas/consumer.py KERNEL_NAME
@@ -70,7 +75,7 @@ for tool in $tools; do
   # initcheck tracks which bytes were written; memory our kernels read was written by XLA's
   # kernels (the inputs, zeroed flags), so every kernel is instrumented there, not only ours
   [ "$tool" = initcheck ] && ours="" triton=""
-  sanitize "$tool" "$tool" "$ours" "${tests[@]}" &
-  sanitize "$tool" "triton-$tool" "$triton" "${triton_tests[@]}" &
+  [[ " $groups " == *" ours "* ]] && sanitize "$tool" "$tool" "$ours" "${tests[@]}" &
+  [[ " $groups " == *" triton "* ]] && sanitize "$tool" "triton-$tool" "$triton" "${triton_tests[@]}" &
 done
 wait

@@ -79,7 +79,12 @@ def test_wheel_is_platform_tagged_and_carries_the_library(wheel):
     assert platform_tag != "any" and platform_tag.startswith("linux"), wheel.name
     names = set(zipfile.ZipFile(wheel).namelist())
     assert LIBRARY in names
-    sources = {p.relative_to(ROOT).as_posix() for p in (ROOT / "oproj_jax/cute/csrc").iterdir() if p.is_file()}
+    sources = {
+        p.relative_to(ROOT).as_posix()
+        for folder in ("oproj_jax/cute/csrc", "oproj_jax/triton/csrc")
+        for p in (ROOT / folder).iterdir()
+        if p.is_file()
+    }
     assert sources and sources <= names, sorted(sources - names)
     assert "oproj_jax/cute/ABI.md" in names
     if (CUBIN_DIR / "manifest.json").is_file():  # built in this checkout: shipped with it

@@ -20,6 +20,7 @@ argument errors. The GPU runs are tests/test_triton_gpu.py.
 from __future__ import annotations
 
 import ast
+import hashlib
 import dataclasses
 import importlib.util
 import json
@@ -381,22 +382,106 @@ def test_jax_call_under_vmap_runs_once_per_element(cuda_triton_stand_ins, loweri
     assert "stablehlo.while" in text and len(_custom_calls(text, lowering)) == 1
 
 
+@pytest.fixture
+def library_cache(monkeypatch, tmp_path):
+    """The package's FFI library (built by the install) and a fresh cubin cache."""
+    from oproj_jax.cute import ffi
+
+    reason = ffi.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    from oproj_jax.triton import library
+
+    monkeypatch.setenv("OPROJ_JAX_CACHE_DIR", str(tmp_path))
+    library.compile_launch.cache_clear()  # compiled in this test, stored here
+    yield tmp_path / "triton"
+    library.compile_launch.cache_clear()
+
+
+LIBRARY_CALL = re.compile(
+    r"stablehlo\.custom_call @(oproj_triton_launch\w*)\((.*?)\) \{.*mhlo\.backend_config = \{(.*?)\}"
+)
+
+
+def _attribute(config: str, name: str) -> str:
+    return re.search(rf"\b{name} = (dense<\[?([^\]>]*)\]?>|\"([^\"]*)\"|(\d+))", config).group(2, 3, 4)
+
+
+@pytest.mark.parametrize(
+    ("variant", "T", "target"),
+    [
+        ("sync-512-w4", 5, "oproj_triton_launch"),
+        ("split-256-w4", 1, "oproj_triton_launch"),
+        ("row-w8", 64, "oproj_triton_launch"),
+        ("row-w16", 65, "oproj_triton_launch_traced"),
+    ],
+)
+def test_library_lowering_names_a_stored_cubin_and_its_parameters(library_cache, variant, T, target):
+    """lowering="library": each launch a call of the package's target (traced above
+    library.RECORD_MAX_T tokens) naming a cubin stored under its sha256, the kernel's pointers
+    in Triton's order (operands, results, then Triton's two null scratch pointers), the launch
+    shape of the plan; the sync counters start from a zeros operand aliased to them."""
+    text = _lowered(variant, T, lowering="library")
+    calls = LIBRARY_CALL.findall(text)
+    launches = plan.make(16, T, 8, 7168, **PRODUCTION, variant=variant).launches
+    assert len(calls) == len(launches), text[:3000]
+    assert re.search(r"%arg1: tensor<\d+x7168xbf16> \{tf\.aliasing_output = 0", text), "the donated prefix"
+    for (name, operands, config), launch in zip(calls, launches):
+        assert name == target
+        dense = lambda key: [int(v) for v in _attribute(config, key)[0].split(",") if v.strip()]
+        path = pathlib.Path(_attribute(config, "cubin")[1])
+        image = path.read_bytes()
+        assert path.parent == library_cache and hashlib.sha256(image).hexdigest()[:24] in path.name
+        assert image[:4] == b"\x7fELF", "a cubin"
+        assert _attribute(config, "entry")[1] == launch.kernel
+        assert int(_attribute(config, "block")[2]) == 32 * launch.num_warps
+        assert dense("grid") == [*launch.grid, 1, 1][:3]
+        n_in = operands.count("%")
+        zeroed = launch.kernel == "sync_kernel"
+        n_arrays = n_in - zeroed
+        params = dense("params")
+        assert params[:n_arrays] == list(range(n_arrays)) and params[-2:] == [-1, -1], params
+        results = params[n_arrays:-2]
+        assert results == list(range(n_in, n_in + len(results))), params
+        if zeroed:  # the counters: the last result, read in place from the zeros operand
+            assert dense("inplace") == [n_arrays, len(results) - 1]
+            assert f"output_tuple_indices = [{len(results) - 1}], operand_index = {n_arrays}," in text
+        else:
+            assert dense("inplace") == []
+
+
+def test_library_lowering_compiles_each_kernel_once(library_cache):
+    """Five token counts of the sync kernel (T is not a constant of it): one cubin."""
+    for T in (1, 2, 3, 5, 8):
+        _lowered("sync-512-w4", T, lowering="library")
+    assert [p.name.split("-")[0] for p in library_cache.iterdir()] == ["sync_kernel"]
+
+
 def test_unknown_lowering_is_named():
     from oproj_jax.triton import backend
 
     arrays = [jnp.zeros(s, jnp.bfloat16) for s in [(1, 1, 16), (1, 16), (1, 0, 16), (16,), (16,), (16,)]]
-    with pytest.raises(ValueError, match=r"lowering: expected one of \['ffi', 'triton_call'\], got 'xla'"):
+    with pytest.raises(ValueError, match=r"lowering: expected one of \['ffi', 'library', 'triton_call'\], got 'xla'"):
         backend.launch(*arrays, **PRODUCTION, lowering="xla")
 
 
-def test_unavailable_without_the_cuda_plugin():
+def test_unavailable_reasons_name_what_is_missing():
+    """No CPU path; the default lowering needs the package's FFI library, the jaxlib ones the CUDA
+    plugin's Triton kernel call."""
+    from jaxlib import gpu_triton
+
+    from oproj_jax.cute import ffi
     from oproj_jax.triton import backend
 
     assert "no CPU or interpret path" in backend.unavailable_reason("cpu")
-    from jaxlib import gpu_triton
-
+    assert backend.DEFAULT_LOWERING == "library"
+    assert backend.lowering_reason("library") == (
+        ffi.unavailable_reason()
+        and f"lowering 'library' launches through the package's FFI library: {ffi.unavailable_reason()}"
+    )
     if not hasattr(gpu_triton, "TritonKernelCall"):
-        assert "JAX CUDA plugin" in backend.unavailable_reason("gpu")
+        for lowering in ("ffi", "triton_call"):
+            assert "JAX CUDA plugin" in backend.lowering_reason(lowering)
 
 
 # ---- the plan ---------------------------------------------------------------------------------
@@ -404,8 +489,8 @@ def test_unavailable_without_the_cuda_plugin():
 
 def test_default_rule_by_tokens():
     assert [plan.default_variant(t, 7168) for t in (1, 8, 9, 64, 65, 512, 513, 4096)] == [
-        "sync-512-w4",
-        "sync-512-w4",
+        "sync-256-w1",
+        "sync-256-w1",
         "sync-2048-w8",
         "sync-2048-w8",
         "row-w16",
@@ -413,9 +498,10 @@ def test_default_rule_by_tokens():
         "sync-1024-w4",
         "sync-1024-w4",
     ]
-    assert plan.default_variant(1, 16384) == "sync-512-w4"  # 32 chunks: the most a sync variant runs
-    # 33 chunks: too many to wait for each other, and a row too wide for registers
-    assert plan.default_variant(1, 16896) == plan.WIDE_ROW
+    # sync-256-w1 would run 64 chunks: the first wider sync variant that fits, 32 chunks of 512
+    assert plan.default_variant(1, 16384) == "sync-512-w4"
+    assert plan.default_variant(1, 16896) == "sync-1024-w4"  # 33 chunks of 512: too many
+    assert plan.default_variant(1, 65537) == plan.WIDE_ROW  # no sync variant fits, nor a row in registers
     assert plan.default_variant(512, 32768) == plan.WIDE_ROW  # a row too wide for registers
     assert plan.default_variant(4096, 32768) == "sync-1024-w4"  # 32 chunks
     assert plan.default_variant(65536, 7168) == "row-w16"  # more tokens than a sync grid takes

@@ -1,6 +1,6 @@
-"""backend="triton" on the GPU: the JAX launch (jax_triton) and the PyTorch launch of the same
-kernels against each other (bit for bit: prefix, output, xmoe) and against the oracle, for every
-kernel variant; both JAX lowerings (backend.LOWERINGS) alike; a donated prefix updated in place;
+"""backend="triton" on the GPU: the JAX launch (the default lowering) and the PyTorch launch of
+the same kernels against each other (bit for bit: prefix, output, xmoe) and against the oracle,
+for every kernel variant; every JAX lowering (backend.LOWERINGS) alike; a donated prefix updated in place;
 the PyTorch launch inside a CUDA graph; a jitted chain inside XLA's command buffers (checked on
 XLA's thunk dump).
 
@@ -110,6 +110,9 @@ def test_torch_launch_of_the_row_and_tile_kernels_matches_the_oracle(triton_gpu,
 
 DONATED = [(None, 1, "triton_call"), ("row-w8", 64, "triton_call"), ("tile-256-w4", 8, "triton_call")]
 DONATED += [("split-1024-w4", 3, "ffi"), ("row-w16", 64, "ffi"), ("sync-512-w4", 8, "ffi")]
+# "library": the record-stage target, and the traced one above library.RECORD_MAX_T tokens
+DONATED += [(None, 1, "library"), ("split-1024-w4", 3, "library"), ("sync-2048-w8", 64, "library")]
+DONATED += [("row-w16", 65, "library"), ("sync-1024-w4", 80, "library")]
 
 
 @pytest.mark.parametrize(("variant", "T", "lowering"), DONATED)
@@ -136,16 +139,18 @@ def test_donated_prefix_is_updated_in_place(triton_gpu, variant, T, lowering):
 @pytest.mark.parametrize(
     ("config", "variant"), [(Config(configs.TP, 3, 8), None), (Config(2, 64, 1, groups=3), "row-w8")]
 )
-def test_ffi_lowering_gives_the_bits_of_triton_call(triton_gpu, config, variant):
-    """The two lowerings launch the same compiled kernel: the same bits."""
+def test_every_lowering_gives_the_bits_of_triton_call(triton_gpu, config, variant):
+    """The lowerings launch the same kernel (jax_triton's PTX, or Triton's cubin of it): the
+    same bits."""
     arrays, options = inputs(config)
     args = [jax.device_put(arrays[k], triton_gpu) for k in ARGS]
     got = {
         lowering: backend.launch(*args, **EPS, **options, variant=variant, lowering=lowering)
         for lowering in backend.LOWERINGS
     }
-    for name, a, b in zip(("prefix", "output"), got["triton_call"], got["ffi"]):
-        testing.assert_same_bits(np.asarray(a), np.asarray(b), f"{config.name} {name}: triton_call vs ffi")
+    for lowering in backend.LOWERINGS:
+        for name, a, b in zip(("prefix", "output"), got["triton_call"], got[lowering]):
+            testing.assert_same_bits(np.asarray(a), np.asarray(b), f"{config.name} {name}: triton_call vs {lowering}")
 
 
 def test_registry_call_under_jit(triton_gpu):
@@ -215,15 +220,16 @@ _COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("lowering", ["triton_call", "ffi"])
+@pytest.mark.parametrize("lowering", ["triton_call", "ffi", "library"])
 def test_xla_command_buffer_thunk_dump(triton_gpu, tmp_path, lowering):
     """Checks XLA's thunk dump: two chained consumer calls under jax.jit run inside a command
     buffer (CUDA graph), every kernel launch a custom call nested in it (2 per call for the split
     kernels, 1 for the row and sync kernels); executions alternating two input sets are exact
     (sync: its arrival counters zeroed in each call of each replay).
 
-    XLA records a custom call into a command buffer only if its FFI handler says it may: jaxlib's
-    "triton_kernel_call_ffi" does (lowering "ffi"); jax-triton 0.3.1's triton_call lowers to the
+    XLA records a custom call into a command buffer only if its FFI handler says it may: the
+    package's target does (lowering "library"), and jaxlib's "triton_kernel_call_ffi" (lowering
+    "ffi"); jax-triton 0.3.1's triton_call lowers to the
     legacy "triton_kernel_call", which has no FFI handler, so there the count is expected to be 0
     (each launch then goes from the host): xfail, with the count, rather than a failure."""
     dump = tmp_path / "dump"

@@ -46,6 +46,10 @@ READY_TARGET = "oproj_cute_consumer_ready"  # XLA-produced mailbox: read once, n
 # the H200); traced by stream capture, the call launches our own module.
 READY_TRACED_TARGET = "oproj_cute_consumer_ready_traced"
 PEER_TARGET = "oproj_cute_peer"  # mode="peer": publish into the group's mailboxes, then consume (peer_ffi.cc)
+# backend="triton": a Triton cubin (oproj_jax/triton/library.py, triton/csrc/launch_ffi.cc), with a
+# record stage, and without one for large T (as READY_TRACED_TARGET).
+TRITON_TARGET = "oproj_triton_launch"
+TRITON_TRACED_TARGET = "oproj_triton_launch_traced"
 BOOTSTRAP_TARGET = "oproj_cute_register_targets"
 BOOTSTRAP_SYMBOL = "OprojRegisterTargets"
 
@@ -66,6 +70,8 @@ SYMBOLS = {
     READY_TARGET: Stages("OprojOneshotInitialize", "OprojReadyExecute", "OprojReadyRecord", True),
     READY_TRACED_TARGET: Stages("OprojOneshotInitialize", "OprojReadyExecute", None, True),
     PEER_TARGET: Stages("OprojPeerInitialize", "OprojPeerExecute", "OprojPeerRecord", True),
+    TRITON_TARGET: Stages("OprojTritonInitialize", "OprojTritonExecute", "OprojTritonRecord", True),
+    TRITON_TRACED_TARGET: Stages("OprojTritonInitialize", "OprojTritonExecute", None, True),
 }
 # How the targets meet XLA's command buffers (CUDA graphs); set before the first cute call.
 #   "record"  graph-safe targets enter command buffers through their record stage: graph nodes

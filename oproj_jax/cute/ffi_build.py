@@ -1,4 +1,4 @@
-"""Compiles the XLA FFI library (csrc/*.cc -> liboproj_ffi.so) with g++; the standard library only.
+"""Compiles the XLA FFI library (cute/csrc/*.cc, triton/csrc/*.cc -> liboproj_ffi.so) with g++; the standard library only.
 
 Two callers share this module: `oproj_jax.cute.ffi.build_library` (`python -m oproj_jax.build
 --ffi-only`, against the jaxlib in use) and the project's setup.py, which loads this file by
@@ -21,7 +21,9 @@ import shutil
 import subprocess
 
 LIBRARY_NAME = "liboproj_ffi.so"
-SOURCE_DIR = pathlib.Path(__file__).resolve().parent / "csrc"
+SOURCE_DIR = pathlib.Path(__file__).resolve().parent / "csrc"  # the CuTe targets and what all share (common.h)
+# The Triton launch target (oproj_jax/triton/csrc): the same library, the same common.h.
+SOURCE_DIRS = (SOURCE_DIR, SOURCE_DIR.parent.parent / "triton" / "csrc")
 NO_FFI_ENV = "OPROJ_JAX_NO_FFI"  # setup.py: set to 1 to install without building the library
 
 
@@ -55,7 +57,7 @@ def cuda_include_dir() -> pathlib.Path | None:
 
 def sources() -> list[pathlib.Path]:
     """The C++ translation units of the library, in a fixed order."""
-    return sorted(SOURCE_DIR.glob("*.cc"))
+    return [path for directory in SOURCE_DIRS for path in sorted(directory.glob("*.cc"))]
 
 
 def missing(jaxlib: bool = True) -> str | None:
@@ -98,6 +100,7 @@ def compile_library(target: str | os.PathLike, jaxlib_include: str | os.PathLike
         "-Wall",
         f"-I{jaxlib_include}",
         f"-I{cuda_include_dir()}",
+        f"-I{SOURCE_DIR}",
         *map(str, sources()),
         "-o",
         str(partial),

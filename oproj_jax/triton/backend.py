@@ -1,20 +1,25 @@
-"""backend="triton": the Triton kernels of kernel.py launched from XLA through jax_triton.
+"""backend="triton": the Triton kernels of kernel.py launched from XLA.
 
 Each launch is one custom call, the prefix aliased input to output (`input_output_aliases`), so
 a jitted caller that donates `prefix` has it updated in place; the split variants pass the
 chunks' dot products to their second kernel in an f32 scratch output, the sync variants to
-themselves, with int32 arrival counters that the kernel call zeroes before the launch.
+themselves, with int32 arrival counters that start at zero in every call.
 The same plan.Plan as torch_launch.py: a JAX call and a PyTorch call of one shape compile the
 same kernels and give the same bits.
 
-jax_triton compiles for the compute capability of GPU 0 unless told (`launch(...,
-compute_capability=90)` lowers for an sm_90 device on a machine without one); it has no CPU or
-interpret path, so this backend runs on CUDA GPUs only.
+The kernels are compiled for the compute capability of GPU 0 unless told (`launch(...,
+compute_capability=90)` lowers for an sm_90 device on a machine without one); there is no CPU
+or interpret path, so this backend runs on CUDA GPUs only.
 
-Two lowerings of a launch (`launch(..., lowering=...)`, DEFAULT_LOWERING): "ffi" (the default),
-the kernel compiled by jax_triton as triton_call would and its kernel-call proto sent to
-jaxlib's command-buffer-compatible FFI target, and "triton_call", jax_triton.triton_call itself
-(in jax-triton 0.3.1 a legacy custom call, which XLA leaves outside its command buffers).
+Three lowerings of a launch (`launch(..., lowering=...)`, DEFAULT_LOWERING):
+  "library"      (the default) the package's own FFI target (library.py): the kernel compiled
+                 to a cubin by Triton, launched by a handler with a record stage, so inside
+                 XLA's command buffers it is a graph node updated in place;
+  "ffi"          the kernel compiled by jax_triton as triton_call would and its kernel-call
+                 proto sent to jaxlib's command-buffer-compatible FFI target (traced by stream
+                 capture inside command buffers);
+  "triton_call"  jax_triton.triton_call itself (in jax-triton 0.3.1 a legacy custom call, which
+                 XLA leaves outside its command buffers).
 """
 
 from __future__ import annotations
@@ -26,31 +31,44 @@ import jax
 import jax.numpy as jnp
 
 from oproj_jax.api import ConsumerResult, Dims
+from oproj_jax.cute import ffi
+from oproj_jax.triton import library
 from oproj_jax.triton import plan as launch_plan
 
 INSTALL = "pip install oproj-jax[triton]"
 
 
 def unavailable_reason(platform: str) -> str | None:
-    """None on a CUDA platform with triton, jax_triton and the CUDA plugin's Triton kernel call
-    (the compute capability of the devices, >= 8.0, is api.capability_reason's to check)."""
+    """None on a CUDA platform with triton and what DEFAULT_LOWERING needs (lowering_reason; the
+    compute capability of the devices, >= 8.0, is api.capability_reason's to check)."""
     if platform not in ("gpu", "cuda"):
         return (
-            f"the Triton kernel runs on NVIDIA CUDA GPUs through jax_triton, which has no CPU or "
-            f"interpret path; the platform is {platform!r}"
+            f"the Triton kernel runs on NVIDIA CUDA GPUs, it has no CPU or interpret path; the platform is {platform!r}"
         )
     try:
         import triton  # noqa: F401
     except ImportError as err:
         return f"the Triton backend needs triton ({err}): {INSTALL}"
+    return lowering_reason(DEFAULT_LOWERING)
+
+
+def lowering_reason(lowering: str) -> str | None:
+    """None if `lowering` can run here: "library" needs the package's FFI library built, the two
+    others jax_triton and the CUDA plugin's Triton kernel call."""
+    if lowering == "library":
+        reason = ffi.unavailable_reason()
+        return reason and f"lowering 'library' launches through the package's FFI library: {reason}"
     from jaxlib import gpu_triton
 
     if not hasattr(gpu_triton, "TritonKernelCall"):
-        return "this jaxlib has no CUDA Triton kernel call (the JAX CUDA plugin brings it): pip install jax[cuda13]"
+        return (
+            f"lowering {lowering!r}: this jaxlib has no CUDA Triton kernel call (the JAX CUDA plugin brings it): "
+            "pip install jax[cuda13]"
+        )
     try:
         import jax_triton  # noqa: F401
     except ImportError as err:
-        return f"the Triton backend needs jax-triton ({err}): {INSTALL}"
+        return f"lowering {lowering!r} needs jax-triton ({err}): {INSTALL}"
     finally:
         launch_plan.repair_cache_dir()
     return None
@@ -69,9 +87,9 @@ def consumer(mailbox, prefix, blocks, norm, query, out_norm, **options) -> Consu
 def launch(
     mailbox, prefix, blocks, norm, query, out_norm, *, variant=None, compute_capability=None, lowering=None, **options
 ) -> ConsumerResult:
-    """`consumer`, compiled for `compute_capability` (e.g. 90; None: GPU 0's, jax_triton's rule),
-    each launch lowered as `lowering` (LOWERINGS; None: DEFAULT_LOWERING). `variant`: a name of
-    plan.VARIANTS, None for the default rule by T."""
+    """`consumer`, compiled for `compute_capability` (e.g. 90; None: GPU 0's), each launch lowered
+    as `lowering` (LOWERINGS; None: DEFAULT_LOWERING). `variant`: a name of plan.VARIANTS, None
+    for the default rule by T."""
     lowering = lowering or DEFAULT_LOWERING
     if lowering not in LOWERINGS:
         raise ValueError(f"lowering: expected one of {sorted(LOWERINGS)}, got {lowering!r}")
@@ -138,20 +156,21 @@ def _via_ffi(launch: launch_plan.Launch, arrays, out_shape, aliases, zeroed, com
 
 
 FFI_TARGET = "triton_kernel_call_ffi"
-LOWERINGS = {"triton_call": _via_triton_call, "ffi": _via_ffi}
-# "ffi": on the H200 (jax 0.11.2) XLA's thunk dump shows its calls inside the command buffer,
-# and triton_call's legacy custom calls outside it (tests/test_triton_gpu.py::
-# test_xla_command_buffer_thunk_dump), so a jitted loop replays them as one graph.
-DEFAULT_LOWERING = "ffi"
+LOWERINGS = {"triton_call": _via_triton_call, "ffi": _via_ffi, "library": library.lower}
+# "library" and "ffi": on the H200 (jax 0.11.2) XLA's thunk dump shows their calls inside the
+# command buffer, triton_call's legacy custom calls outside it (tests/test_triton_gpu.py::
+# test_xla_command_buffer_thunk_dump). "library" records a graph node that XLA updates in place,
+# "ffi" is traced by stream capture whenever its buffers move (docs/perf.md has the cost of each).
+DEFAULT_LOWERING = "library"
 
 
 @functools.lru_cache(maxsize=None)
 def _call(plan: launch_plan.Plan, compute_capability: int | None, lowering: str):
     """The plan's launches as a function of the six arrays. The kernels have no batch
     dimension: under jax.vmap it runs once per batch element."""
-    import jax_triton  # noqa: F401
-
-    launch_plan.repair_cache_dir()
+    reason = lowering_reason(lowering)
+    if reason:
+        raise RuntimeError(reason)
     lower = LOWERINGS[lowering]
 
     def run(launch: launch_plan.Launch, *arrays, out_shape, aliases=None, zeroed=()):

@@ -441,6 +441,16 @@ def _token_sum(stats, t, lanes, written, CHUNKS: tl.constexpr, SPAN: tl.constexp
 
 
 @triton.jit
+def _add3(a0, a1, a2, b0, b1, b2):
+    return a0 + b0, a1 + b1, a2 + b2
+
+
+@triton.jit
+def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
+
+
+@triton.jit
 def _sync_weights(
     stats, t, NB: tl.constexpr, H: tl.constexpr, EPS: tl.constexpr, ROWS: tl.constexpr,
     CHUNKS: tl.constexpr, SPAN: tl.constexpr, RECORD: tl.constexpr,
@@ -449,12 +459,22 @@ def _sync_weights(
     records' dot products and squares."""
     j = tl.arange(0, ROWS)
     real = j < NB
-    dots = _token_sum(stats, t, j, real, CHUNKS, SPAN, RECORD)
-    squares = _token_sum(stats, t, ROWS + j, real, CHUNKS, SPAN, RECORD)
-    two = tl.arange(0, 2)
-    mine = _token_sum(stats, t, 2 * ROWS + two, two < 2, CHUNKS, SPAN, RECORD)  # p.w, p.p
-    p_dot = tl.sum(tl.where(two == 0, mine, 0.0), axis=0)
-    p_square = tl.sum(tl.where(two == 1, mine, 0.0), axis=0)
+    # one load of the three tiles ([SPAN, ROWS] each; p.w and p.p in lanes 0 and 1 of the third,
+    # so ROWS >= 2) and one reduction of them
+    k = tl.arange(0, SPAN)
+    rows = stats + (t * CHUNKS + k)[:, None] * RECORD + j[None, :]
+    chunk = (k < CHUNKS)[:, None]
+    dots, squares, mine = tl.reduce(
+        (
+            tl.load(rows, mask=chunk & real[None, :], other=0.0, cache_modifier=".cg"),
+            tl.load(rows + ROWS, mask=chunk & real[None, :], other=0.0, cache_modifier=".cg"),
+            tl.load(rows + 2 * ROWS, mask=chunk & (j < 2)[None, :], other=0.0, cache_modifier=".cg"),
+        ),
+        0,
+        _add3,
+    )
+    p_dot = tl.sum(tl.where(j == 0, mine, 0.0), axis=0)
+    p_square = tl.sum(tl.where(j == 1, mine, 0.0), axis=0)
     logits = tl.where(real, dots * tl.rsqrt(squares / H + EPS), float("-inf"))
     logit = p_dot * tl.rsqrt(p_square / H + EPS)
     top = tl.maximum(tl.max(logits, axis=0), logit)
@@ -518,10 +538,17 @@ def sync_kernel(
         tl.store(prefix_out + t * H + offs, _as_bf16(p_bits), mask=mask)
         p = _as_f32(p_bits)
         w = _weights(norm, query, offs, mask)
-        tl.store(record + j, tl.sum(b * w[None, :], axis=1), mask=j < NB)
-        tl.store(record + ROWS + j, tl.sum(b * b, axis=1), mask=j < NB)
-        tl.store(record + 2 * ROWS, tl.sum(p * w, axis=0))
-        tl.store(record + 2 * ROWS + 1, tl.sum(p * p, axis=0))
+        # one reduction: p's products ride in row 0 of two more [ROWS, BLOCK] tiles
+        first = (j == 0)[:, None]
+        dots, squares, p_dot, p_square = tl.reduce(
+            (b * w[None, :], b * b, tl.where(first, (p * w)[None, :], 0.0), tl.where(first, (p * p)[None, :], 0.0)),
+            1,
+            _add4,
+        )
+        tl.store(record + j, dots, mask=j < NB)
+        tl.store(record + ROWS + j, squares, mask=j < NB)
+        tl.store(record + 2 * ROWS + j, p_dot, mask=j == 0)
+        tl.store(record + 2 * ROWS + 1 + j, p_square, mask=j == 0)
     else:
         p = _widen(tl.load(prefix_out + t * H + offs, mask=mask, other=0.0))
     if PHASE == 0:

@@ -78,7 +78,10 @@ VARIANTS = {
         Variant("split", 512, 256, 4),
         Variant("split", 1024, 256, 4),
         Variant("split", 2048, 512, 8),
+        Variant("sync", 256, 256, 1),
         Variant("sync", 256, 256, 2),
+        Variant("sync", 512, 512, 1),
+        Variant("sync", 512, 512, 2),
         Variant("sync", 256, 256, 4),
         Variant("sync", 512, 512, 4),
         Variant("sync", 512, 512, 8),
@@ -91,20 +94,26 @@ VARIANTS = {
 
 # The default rule: the first (largest T, variant) whose bound holds. Chosen by kernel time on
 # the H200 (benchmarks/triton_gpu.py, every variant at each T; docs/perf.md): up to 64 tokens a
-# token's row split over 14 or 4 programs that meet at barriers (sync), at 512 one program per
-# token holding the row in registers (row), above it the row over 7 programs again.
-RULE = ((8, "sync-512-w4"), (64, "sync-2048-w8"), (512, "row-w16"), (math.inf, "sync-1024-w4"))
+# token's row split over 28 one-warp programs or 4 programs that meet at barriers (sync), at 512
+# one program per token holding the row in registers (row), above it the row over 7 programs again.
+RULE = ((8, "sync-256-w1"), (64, "sync-2048-w8"), (512, "row-w16"), (math.inf, "sync-1024-w4"))
 WIDE_ROW = "tile-512-w8"  # in place of a row variant where H > ROW_MAX_H
-SYNC_FALLBACK = "row-w16"  # in place of RULE's sync variant past its bounds (_sync_limit)
+# in place of RULE's sync variant past its bounds (_sync_limit): a wider one where H has too many
+# chunks for it, else (too many tokens) a row variant
+SYNC_WIDER = ("sync-512-w4", "sync-1024-w4", "sync-2048-w8")
+SYNC_FALLBACK = "row-w16"
 
 
 def default_variant(T: int, H: int) -> str:
-    """The variant the launchers take for T tokens of hidden size H when none is named: RULE's,
-    or where H is too wide for it, one program per token (row, or tile above ROW_MAX_H)."""
+    """The variant the launchers take for T tokens of hidden size H when none is named: RULE's;
+    past a sync variant's bounds the first of SYNC_WIDER that fits, else SYNC_FALLBACK; where H
+    is too wide for a row in registers, one program per token over tiles (WIDE_ROW)."""
     name = next(name for bound, name in RULE if T <= bound)
     chosen = VARIANTS[name]
     if chosen.kind == "sync" and _sync_limit(chosen, T, H):
-        name, chosen = SYNC_FALLBACK, VARIANTS[SYNC_FALLBACK]
+        fits = [n for n in SYNC_WIDER if VARIANTS[n].block > chosen.block and not _sync_limit(VARIANTS[n], T, H)]
+        name = fits[0] if fits else SYNC_FALLBACK
+        chosen = VARIANTS[name]
     return WIDE_ROW if H > ROW_MAX_H and chosen.kind == "row" else name
 
 
@@ -205,7 +214,9 @@ def make(
         return Plan(chosen, (launch("tile_kernel", (T,), dict(sums, **outs, **tiles)),), None)
     chunks = -(-H // chosen.block)
     if chosen.kind == "sync":
-        rows = _pow2(max(NB, 1))  # the blocks' tile; kernel.sync_kernel's record has 2 * rows + 3 lanes
+        # the blocks' tile, >= 2 rows (the weights read p.w and p.p as lanes 0 and 1 of a [C, rows]
+        # tile); kernel.sync_kernel's record has 2 * rows + 3 lanes
+        rows = max(2, _pow2(NB))
         span = dict(BLOCK=chosen.block, ROWS=rows, CHUNKS=chunks, SPAN=_pow2(chunks))
         whole = dict(sums, **outs, **span, POLLS=SYNC_POLLS, PHASE=0)
         scratch = dict(stats_shape=(T, chunks, 2 * rows + 3), arrivals_shape=(T, 2))

@@ -18,10 +18,10 @@ std::map<std::string, std::string> cubin_images;  // path -> file bytes (kept: m
 std::map<std::tuple<CUcontext, std::string, std::string>, CUfunction> functions;
 }  // namespace
 
-ffi::ErrorOr<CUfunction> LoadFunction(std::string_view cubin, std::string_view entry, int64_t smem);
+ffi::ErrorOr<CUfunction> LoadFunction(std::string_view cubin, std::string_view entry, int64_t smem, bool cluster);
 
 // ---- module cache: one CUfunction per (context, cubin path, entry) -----------------------------
-ffi::ErrorOr<CUfunction> GetFunction(std::string_view cubin, std::string_view entry, int64_t smem) {
+ffi::ErrorOr<CUfunction> GetFunction(std::string_view cubin, std::string_view entry, int64_t smem, bool cluster) {
   if (!driver().error.empty()) return ffi::Error::Internal(std::string(entry) + ": libcuda: " + driver().error);
   CUcontext ctx = nullptr;  // cuCtxGetCurrent (not cuStreamGetCtx) also works during capture
   if (CUresult r = driver().CtxGetCurrent(&ctx)) return CudaError(r, entry, "cuCtxGetCurrent");
@@ -38,7 +38,7 @@ ffi::ErrorOr<CUfunction> GetFunction(std::string_view cubin, std::string_view en
   auto key = std::make_tuple(ctx, std::string(cubin), std::string(entry));
   auto it = functions.find(key);
   if (it == functions.end()) {
-    auto loaded = LoadFunction(cubin, entry, smem);
+    auto loaded = LoadFunction(cubin, entry, smem, cluster);
     if (loaded.has_error()) return loaded.error();
     it = functions.emplace(std::move(key), *loaded).first;
   }
@@ -53,7 +53,8 @@ ffi::ErrorOr<const std::string*> ImageLocked(std::string_view cubin, std::string
     image.assign(std::istreambuf_iterator<char>(file), {});
     if (image.empty())
       return ffi::Error::InvalidArgument(std::string(entry) + ": cannot read cubin '" + std::string(cubin) +
-                                         "' (build it: python -m oproj_jax.cute.build)");
+                                         "' (CuTe: python -m oproj_jax.cute.build; Triton: the file was removed "
+                                         "after the call was traced)");
   }
   return &image;
 }
@@ -64,7 +65,7 @@ ffi::ErrorOr<const std::string*> CubinImage(std::string_view cubin, std::string_
 }
 
 // Loads the module into the current context (cache_mutex held).
-ffi::ErrorOr<CUfunction> LoadFunction(std::string_view cubin, std::string_view entry, int64_t smem) {
+ffi::ErrorOr<CUfunction> LoadFunction(std::string_view cubin, std::string_view entry, int64_t smem, bool cluster) {
   auto image = ImageLocked(cubin, entry);
   if (image.has_error()) return image.error();
   CUmodule module = nullptr;
@@ -74,6 +75,7 @@ ffi::ErrorOr<CUfunction> LoadFunction(std::string_view cubin, std::string_view e
     return CudaError(r, entry, "cuModuleGetFunction");
   if (CUresult r = driver().FuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(smem)))
     return CudaError(r, entry, "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)");
+  if (!cluster) return fn;
   if (CUresult r = driver().FuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1))
     return CudaError(r, entry, "cuFuncSetAttribute(NON_PORTABLE_CLUSTER_SIZE_ALLOWED)");
   return fn;

@@ -107,8 +107,10 @@ inline ffi::Error CudaError(CUresult result, std::string_view entry, std::string
 
 // ---- module cache and launch (common.cc) ------------------------------------------------------
 // The kernel of (current context, cubin path, entry), loaded on first use and cached for the
-// process; max dynamic shared memory and the non-portable cluster size are set on load.
-ffi::ErrorOr<CUfunction> GetFunction(std::string_view cubin, std::string_view entry, int64_t smem);
+// process; max dynamic shared memory is set on load, and for a cluster kernel (every CuTe one)
+// the non-portable cluster size, an attribute GPUs before sm_90 refuse.
+ffi::ErrorOr<CUfunction> GetFunction(std::string_view cubin, std::string_view entry, int64_t smem,
+                                     bool cluster = true);
 
 struct LaunchSpec {
   std::string_view cubin, entry;

@@ -1,0 +1,129 @@
+"""The lowering of a Triton launch through the package's own FFI target (csrc/launch_ffi.cc).
+
+jaxlib's Triton kernel call enters XLA's command buffers by stream capture, traced again each
+time XLA hands the call new buffers; this target has a record stage (a kernel node whose
+arguments XLA rewrites in place), as the CuTe targets do. The kernel is compiled here, at trace
+time, by Triton itself into a cubin (ptxas, as the PyTorch launch compiles it), stored
+content-addressed under cache_dir() and named in the call with its entry, shared memory and
+launch shape; the C++ side loads it once per CUDA context.
+
+The target's parameters are the kernel's pointers in Triton's order: the operands, then the
+results (the kernels of kernel.py have no runtime scalars), then the null pointers Triton
+appends for its global and profile scratch (refused here if a kernel needs either). A result
+the kernel reads as passed in (the sync kernels' arrival counters, which must start at zero)
+is given as an extra zeros operand aliased to it: XLA zeroes it inside its graph, and the
+handler copies it over when XLA did not alias the two.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import pathlib
+import re
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from oproj_jax.cute import ffi
+from oproj_jax.triton import plan as launch_plan
+
+TARGET = ffi.TRITON_TARGET  # record stage: a graph node, updated in place
+TRACED_TARGET = ffi.TRITON_TRACED_TARGET  # no record stage: traced by stream capture
+# Above this many tokens the launch names TRACED_TARGET: for a record-stage launch XLA loads its
+# own module and sets CU_FUNC_CACHE_PREFER_SHARED on it (the smallest L1), which cost the CuTe
+# kernels' memory-bound multi-wave grids 18 % (docs/perf.md); traced, our module launches.
+RECORD_MAX_T = 64
+CACHE_ENV = "OPROJ_JAX_CACHE_DIR"
+POINTER_TYPES = {np.dtype(jnp.bfloat16): "*bf16", np.dtype(np.float32): "*fp32", np.dtype(np.int32): "*i32"}
+
+
+def cache_dir() -> pathlib.Path:
+    """Where compiled cubins are kept: $OPROJ_JAX_CACHE_DIR/triton, else ~/.cache/oproj_jax/triton."""
+    root = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "oproj_jax")
+    return pathlib.Path(root) / "triton"
+
+
+class Image(NamedTuple):
+    path: str  # the cubin, named by its sha256
+    entry: str
+    smem: int
+    block: int  # threads per program
+    extra_params: int  # Triton's null scratch pointers after the kernel's own
+
+
+@functools.lru_cache(maxsize=None)
+def compile_launch(launch: launch_plan.Launch, pointer_types: tuple[str, ...], compute_capability: int) -> Image:
+    """`launch`'s kernel compiled for sm_`compute_capability` with these pointer types (every
+    pointer 16-byte aligned, as XLA's buffers are), stored under cache_dir()."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from oproj_jax.triton import kernel
+
+    fn = getattr(kernel, launch.kernel)
+    constexprs = dict(launch.constexprs)
+    pointers = [name for name in fn.arg_names if name not in constexprs]
+    if len(pointers) != len(pointer_types):
+        raise ValueError(f"{launch.kernel}: {len(pointers)} pointer parameters, {len(pointer_types)} arrays given")
+    types = dict(zip(pointers, pointer_types))
+    signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in pointers}
+    source = triton.compiler.ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
+    launch_plan.repair_cache_dir()
+    compiled = triton.compile(source, target=GPUTarget("cuda", compute_capability, 32), options=launch.options())
+    meta = compiled.metadata
+    for scratch in ("global_scratch_size", "profile_scratch_size"):
+        if getattr(meta, scratch, 0):
+            raise NotImplementedError(f"{launch.kernel}: the kernel needs Triton {scratch} = {getattr(meta, scratch)}")
+    entry = re.search(r"\.entry\s+(\w+)\s*\(([^)]*)\)", compiled.asm["ptx"])
+    extra = entry.group(2).count(".param") - len(pointers)
+    if entry.group(1) != meta.name or extra < 0:
+        raise RuntimeError(f"{launch.kernel}: unexpected PTX entry {entry.group(1)!r} with {extra} extra parameters")
+    image = compiled.asm["cubin"]
+    path = cache_dir() / f"{meta.name}-{hashlib.sha256(image).hexdigest()[:24]}.cubin"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_bytes(image)
+        os.replace(partial, path)  # atomic: another process never reads half a file
+    return Image(str(path), meta.name, int(meta.shared), 32 * meta.num_warps, extra)
+
+
+def _capability(device) -> int:
+    major, minor = device.compute_capability.split(".")
+    return 10 * int(major) + int(minor)
+
+
+def lower(launch: launch_plan.Launch, arrays, out_shape, aliases, zeroed, compute_capability):
+    """One launch of `launch` as a call of TARGET (TRACED_TARGET above RECORD_MAX_T tokens): the
+    results `out_shape` (the first is [T, H] in every launch of plan.py), `aliases` {operand:
+    result}; the results in `zeroed` start at zero."""
+    ffi.register_targets()
+    cc = compute_capability or _capability(jax.devices("cuda")[0])
+    types = tuple(POINTER_TYPES[np.dtype(x.dtype)] for x in (*arrays, *out_shape))
+    image = compile_launch(launch, types, cc)
+    zeros = [jnp.zeros(out_shape[i].shape, out_shape[i].dtype) for i in zeroed]
+    operands = (*arrays, *zeros)
+    first_result = len(operands)
+    params = [*range(len(arrays)), *(first_result + i for i in range(len(out_shape))), *[-1] * image.extra_params]
+    inplace = [k for pair in ((len(arrays) + n, i) for n, i in enumerate(zeroed)) for k in pair]
+    aliases = {**(aliases or {}), **{len(arrays) + n: i for n, i in enumerate(zeroed)}}
+    grid = (*launch.grid, 1, 1)[:3]
+    tokens = out_shape[0].shape[0]
+    call = jax.ffi.ffi_call(
+        TARGET if tokens <= RECORD_MAX_T else TRACED_TARGET, out_shape, input_output_aliases=aliases
+    )
+    return call(
+        *operands,
+        cubin=image.path,
+        entry=image.entry,
+        smem=np.int64(image.smem),
+        block=np.int64(image.block),
+        grid=np.array(grid, np.int64),
+        params=np.array(params, np.int64),
+        inplace=np.array(inplace, np.int64),
+    )
