@@ -111,12 +111,15 @@ def test_stage_table(registration):
 
 def test_every_graph_safe_target_has_a_record_stage():
     """Inside XLA command buffers a target without a record stage is re-traced by stream capture
-    whenever its buffers move: the per-call host cost the record stage exists to remove. The one
-    exception is the ready target for many tokens, traced on purpose (ffi.READY_TRACED_TARGET)."""
+    whenever its buffers move: the per-call host cost the record stage exists to remove. The
+    exceptions are the targets for many tokens, traced on purpose (ffi.READY_TRACED_TARGET,
+    ffi.TRITON_TRACED_TARGET)."""
+    traced = (ffi.READY_TRACED_TARGET, ffi.TRITON_TRACED_TARGET)
     for name, stages in ffi.SYMBOLS.items():
-        if name != ffi.READY_TRACED_TARGET:
+        if name not in traced:
             assert (stages.record is not None) == stages.command_buffer, name
-    assert ffi.SYMBOLS[ffi.READY_TRACED_TARGET].command_buffer and ffi.SYMBOLS[ffi.READY_TRACED_TARGET].record is None
+    for name in traced:
+        assert ffi.SYMBOLS[name].command_buffer and ffi.SYMBOLS[name].record is None, name
 
 
 @pytest.mark.parametrize(

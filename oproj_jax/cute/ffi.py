@@ -180,7 +180,9 @@ def _bootstrap(library: ctypes.CDLL, device, registration: str) -> None:
         handlers=np.array([_address(library, s) for s in symbols], np.int64),
         traits=np.array(traits, np.int64),
     )
-    call = jax.ffi.ffi_call(BOOTSTRAP_TARGET, jax.ShapeDtypeStruct((1,), np.uint32))
+    # An empty result (a word the handler never writes would be read uninitialized by a later
+    # host copy: compute-sanitizer's initcheck), kept by XLA as a call with a side effect.
+    call = jax.ffi.ffi_call(BOOTSTRAP_TARGET, jax.ShapeDtypeStruct((0,), np.uint32), has_side_effect=True)
     # Executed now, also when the first cute call is being traced inside a user's jit (a nested
     # jit would be staged into that program instead of run): the targets must exist before XLA
     # compiles the program that names them.
