@@ -14,6 +14,8 @@
 #            default flags; with decode-flags also without command buffers and with WHILE in them
 #   triton   the Triton kernel's variants: checks, torch CUDA-graph and JAX timings
 #            (benchmarks/triton_gpu.py)
+#   triton-record  the Triton record: 3 runs of triton_gpu.py over the default variants, merged
+#            (benchmarks/triton_record.py: the median per T, launch and lowering)
 # Build first (python -m oproj_jax.build; pip wheel . --no-deps -w .whl) and carry
 # oproj_jax/_lib, oproj_jax/cute/cubins and .whl.
 # Usage on the GPU machine: bash benchmarks/gpu_session.sh OUTDIR checks,record,...
@@ -90,4 +92,14 @@ fi
 if has triton; then
   stage triton 240 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/triton_gpu.py --out "$out"
   tail -n 30 "$out/triton.txt"
+fi
+if has triton-record; then
+  defaults=$(python3 -c "from oproj_jax.triton import plan; print(','.join(sorted({n for _, n in plan.RULE})))")
+  for i in 1 2 3; do
+    mkdir -p "$out/triton-run$i"
+    stage triton-run$i 150 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/triton_gpu.py --out "$out/triton-run$i" \
+      --tokens 1,8,64,512,4096 --variants "$defaults" --budget 130
+  done
+  python3 benchmarks/triton_record.py --out "$out/triton-record.json" "$out"/triton-run*/*.json
+  rm -rf "$out"/triton-run?
 fi
