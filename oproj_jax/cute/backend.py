@@ -282,10 +282,8 @@ def _supported_kernel(dims: Dims, opts: Options, *, twoshot: bool, ready: bool) 
 
 READY_TIMEOUT_US = -1  # the kernel's ready mode: slots complete at launch, no poll, no re-arm
 # Up to this many tokens the ready call enters XLA's command buffers through its record stage
-# (a graph node with PDL edges); above, through stream capture (ffi.READY_TRACED_TARGET): the
-# grid is then several waves and memory-bound, where XLA's cache configuration of its own
-# module costs more than the host work the record stage saves.
-RECORD_MAX_T = 64
+# (a graph node with PDL edges); above, through stream capture (ffi.READY_TRACED_TARGET).
+RECORD_MAX_T = ffi.RECORD_MAX_T
 
 
 def consumer(mailbox, prefix, blocks, norm, query, out_norm, **options) -> ConsumerResult:

@@ -46,6 +46,12 @@ READY_TARGET = "oproj_cute_consumer_ready"  # XLA-produced mailbox: read once, n
 # the H200); traced by stream capture, the call launches our own module.
 READY_TRACED_TARGET = "oproj_cute_consumer_ready_traced"
 PEER_TARGET = "oproj_cute_peer"  # mode="peer": publish into the group's mailboxes, then consume (peer_ffi.cc)
+# Up to this many tokens a call names a target with a record stage (a graph node updated in place);
+# above, its twin without one (READY_TRACED_TARGET, TRITON_TRACED_TARGET), traced by stream
+# capture: the grid is then several waves and memory-bound, and for a record-stage launch XLA
+# loads its own module and sets CU_FUNC_CACHE_PREFER_SHARED on it (the smallest L1), which cost
+# the CuTe kernels 18 % at T = 4096 (docs/perf.md), more than the host work the record stage saves.
+RECORD_MAX_T = 64
 # backend="triton": a Triton cubin (oproj_jax/triton/library.py, triton/csrc/launch_ffi.cc), with a
 # record stage, and without one for large T (as READY_TRACED_TARGET).
 TRITON_TARGET = "oproj_triton_launch"

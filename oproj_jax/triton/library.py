@@ -33,10 +33,7 @@ from oproj_jax.triton import plan as launch_plan
 
 TARGET = ffi.TRITON_TARGET  # record stage: a graph node, updated in place
 TRACED_TARGET = ffi.TRITON_TRACED_TARGET  # no record stage: traced by stream capture
-# Above this many tokens the launch names TRACED_TARGET: for a record-stage launch XLA loads its
-# own module and sets CU_FUNC_CACHE_PREFER_SHARED on it (the smallest L1), which cost the CuTe
-# kernels' memory-bound multi-wave grids 18 % (docs/perf.md); traced, our module launches.
-RECORD_MAX_T = 64
+RECORD_MAX_T = ffi.RECORD_MAX_T  # above it the launch names TRACED_TARGET (ffi.py says why)
 CACHE_ENV = "OPROJ_JAX_CACHE_DIR"
 POINTER_TYPES = {np.dtype(jnp.bfloat16): "*bf16", np.dtype(np.float32): "*fp32", np.dtype(np.int32): "*i32"}
 
