@@ -102,8 +102,10 @@ def main(argv=None) -> int:
             for backend in backends if T in (1, 64) else [b for b in backends if b == "cute"]:
                 try:
                     step = timing.consumer_step(backend, config)
-                    fn1 = timing.consumer_chain(step, k1, f"chain_{backend}_{T}_{k1}")
-                    fn2 = timing.consumer_chain(step, k2, f"chain_{backend}_{T}_{k2}")
+                    fn1, fn2 = (
+                        timing.rotated_loop(timing.consumer_chain(step, k, f"chain_{backend}_{T}_{k}"), "gpu")
+                        for k in (k1, k2)
+                    )
                     slopes, piped = [], []
                     for _ in range(3):
                         slopes.append(timing.slope(fn1, fn2, pool.args, k1, k2, args.reps)[0])

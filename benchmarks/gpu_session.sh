@@ -5,7 +5,7 @@
 #            || with `sanitize` compute-sanitizer (benchmarks/sanitize.sh; after kernel changes)
 #            || with `ipc` the cross-process peer-memory probe (benchmarks/ipc_probe.py), in parallel
 #   record   the benchmark of record on GPU 0 (benchmarks/record.py: cute's and pallas's chain
-#            slopes in 3 processes each, median; the decode step)
+#            slopes in both forms in 3 processes, median; the decode step)
 #   tp       the TP step on 2 GPUs (benchmarks/record.py --tp 2: every mode x backend, 3
 #            processes, median)
 #   tpproc   the TP step on 2 GPUs driven by 2 processes (jax.distributed, one GPU each; mode="peer"
@@ -15,7 +15,8 @@
 #   triton   the Triton kernel's variants: checks, torch CUDA-graph and JAX timings
 #            (benchmarks/triton_gpu.py)
 #   triton-record  the Triton record: 3 runs of triton_gpu.py over the default variants, merged
-#            (benchmarks/triton_record.py: the median per T, launch and lowering)
+#            (benchmarks/triton_record.py: the median per T, launch and lowering); $TRITON_TOKENS
+#            (default 1,8,64,512,4096) the T to run
 # Build first (python -m oproj_jax.build; pip wheel . --no-deps -w .whl) and carry
 # oproj_jax/_lib, oproj_jax/cute/cubins and .whl.
 # Usage on the GPU machine: bash benchmarks/gpu_session.sh OUTDIR checks,record,...
@@ -56,12 +57,9 @@ if has checks; then
   has ipc && tail -n 15 "$out/ipc.txt"
 fi
 if has record; then
-  stage record 190 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/record.py --out-dir "$out" \
-    --backends cute --tokens 1,8,64,512,4096 --decode-tokens 1,64 --timeout 60
-  tail -n 12 "$out/record.txt"
-  stage record-pallas 170 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/record.py --out-dir "$out" \
-    --backends pallas --tokens 1,64,4096 --decode-tokens "" --timeout 55 --name record-pallas
-  tail -n 5 "$out/record-pallas.txt"
+  stage record 400 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/record.py --out-dir "$out" \
+    --backends cute,pallas --tokens 1,8,64,512,4096 --reps 40 --decode-tokens 1,64 --timeout 110
+  tail -n 30 "$out/record.txt"
 fi
 if has tp && [ "$gpus" -ge 2 ]; then
   stage tp 270 python3 benchmarks/record.py --out-dir "$out" --tp 2 --tokens 1,8,64 --reps 15 --name tp2 \
@@ -98,7 +96,7 @@ if has triton-record; then
   for i in 1 2 3; do
     mkdir -p "$out/triton-run$i"
     stage triton-run$i 150 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/triton_gpu.py --out "$out/triton-run$i" \
-      --tokens 1,8,64,512,4096 --variants "$defaults" --budget 130
+      --tokens "${TRITON_TOKENS:-1,8,64,512,4096}" --variants "$defaults" --budget 130 --buffers donated,rotated
   done
   python3 benchmarks/triton_record.py --out "$out/triton-record.json" "$out"/triton-run*/*.json
   rm -rf "$out"/triton-run?

@@ -6,7 +6,9 @@ tensor-parallel step instead (python -m oproj_jax.bench.tp: every mode x backend
   PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/record.py --out-dir $OUT --tp 2 --name tp2
 
 Each process is `python -m oproj_jax.bench` (bench/timing.py: slope of unrolled chains of
-dependent calls, rotated input sets, every execution waited for); the first also takes the
+dependent calls, every execution waited for) in both of the chain's forms: "donated" (a decode
+loop's: the state donated from one execution to the next, no buffer moves; the record's `us`)
+and "rotated" (every buffer new each execution; `us_rotated`). The first process also takes the
 profiler's kernel time (`us_kernels`). Single slopes at T=1 move by several microseconds from
 one process to the next, so the record is the median over the processes, with every process's
 value kept (`us_runs`). Writes <out-dir>/<date>-<device>-<name>.json: a header, one record per
@@ -19,6 +21,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -37,7 +40,9 @@ def bench(args: list[str], timeout: float, module: str = "oproj_jax.bench") -> t
         )
         log = done.stdout + done.stderr
     except subprocess.TimeoutExpired as err:
-        log = f"timed out after {timeout} s: {err.stdout or ''}{err.stderr or ''}"
+        text = lambda out: out.decode(errors="replace") if isinstance(out, bytes) else (out or "")  # noqa: E731
+        log = f"timed out after {timeout} s: {text(err.stdout)}{text(err.stderr)}"
+        return records_from_log(log), log
     try:
         with open(path) as f:
             return json.load(f), log
@@ -45,20 +50,59 @@ def bench(args: list[str], timeout: float, module: str = "oproj_jax.bench") -> t
         return [], log
 
 
+# bench/runner.py _log_timing's line: "time T=   64 cute       donated        9.5 us/call  (profiler
+# 16.3, kernels 16.34, busy 9.42) ..."
+LOGGED_TIMING = re.compile(
+    r"time T=\s*(?P<T>\d+) (?P<backend>\S+)\s+(?P<buffers>donated|rotated)\s+(?P<us>-?[\d.]+) us/call"
+    r"(?:\s+\(profiler [-\d.]+, kernels [-\d.]+, busy (?P<busy>-?[\d.]+)\))?"
+)
+
+
+def records_from_log(log: str) -> list[dict]:
+    """The timings a process logged before it was stopped (it writes its JSON only at the end):
+    the slope as logged (0.1 us) and the kernels' busy time (0.01 us), marked
+    recovered_from_log. The shape is the bench CLI's default, the only one this script runs."""
+    from oproj_jax import configs
+
+    shape = dict(R=configs.TP, NB=8, groups=4, has_delta=True)
+    return [
+        dict(
+            kind="timing",
+            backend=m["backend"],
+            buffers=m["buffers"],
+            T=int(m["T"]),
+            **shape,
+            us=float(m["us"]),
+            us_kernels=float(m["busy"]) if m["busy"] else None,
+            device=None,
+            method="recovered from the process's log line (the slope to 0.1 us)",
+            recovered_from_log=True,
+        )
+        for m in LOGGED_TIMING.finditer(log)
+    ]
+
+
 def merge(runs: list[list[dict]]) -> list[dict]:
     """One record per (mode, backend, T[, process_index]): the median slope over the runs that
     timed it (mode: the TP layout of a --tp run, None for a single-GPU run; process_index: the
-    view of one process of a mesh spanning several, None when one process drives the mesh)."""
+    view of one process of a mesh spanning several, None when one process drives the mesh).
+    Where the chain ran in both forms (bench/timing.py BUFFERS), `us` is the donated form's and
+    `us_rotated` the rotated form's median."""
     by_key: dict[tuple, list[dict]] = {}
+    rotated: dict[tuple, list[float]] = {}
     for records in runs:
         for r in records:
             if r.get("kind") == "timing":
                 view = r["process_index"] if r.get("processes", 1) > 1 else -1
-                by_key.setdefault((r.get("mode") or "", r["backend"], r["T"], view), []).append(r)
+                key = (r.get("mode") or "", r["backend"], r["T"], view)
+                if r.get("buffers") == "rotated":
+                    rotated.setdefault(key, []).append(r["us"])
+                else:
+                    by_key.setdefault(key, []).append(r)
     merged = []
     for (mode, backend, T, view), rs in sorted(by_key.items(), key=lambda kv: (kv[0][2], kv[0][0], kv[0][1], kv[0][3])):
         kernels = [r["us_kernels"] for r in rs if r.get("us_kernels") is not None]
-        first = rs[0]
+        first = next((r for r in rs if not r.get("recovered_from_log")), rs[0])
         tp = dict(mode=mode, gpus=first.get("gpus")) if mode else {}
         if view >= 0:
             tp.update(processes=first["processes"], process_index=view)
@@ -73,8 +117,19 @@ def merge(runs: list[list[dict]]) -> list[dict]:
                 NB=first["NB"],
                 groups=first.get("groups"),
                 has_delta=first.get("has_delta"),
+                buffers=first.get("buffers"),
                 us=statistics.median(r["us"] for r in rs),
                 us_runs=[r["us"] for r in rs],
+                **(
+                    dict(us_runs_from_log=[i for i, r in enumerate(rs) if r.get("recovered_from_log")])
+                    if any(r.get("recovered_from_log") for r in rs)
+                    else {}
+                ),
+                **(
+                    dict(us_rotated=statistics.median(rotated[key]), us_rotated_runs=rotated[key])
+                    if (key := (mode, backend, T, view)) in rotated
+                    else {}
+                ),
                 us_kernels=statistics.median(kernels) if kernels else None,
                 noise_us=[r.get("noise_us") for r in rs],
                 device=first["device"],
@@ -93,7 +148,13 @@ def main(argv=None) -> int:
     parser.add_argument("--processes", type=int, default=3)
     parser.add_argument("--backends", default="cute,pallas,reference")
     parser.add_argument("--tokens", default="1,8,64,512,4096")
-    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--reps", type=int, default=60, help="executions per chain length and process")
+    parser.add_argument(
+        "--buffers",
+        default="donated,rotated",
+        help="the chain's forms (bench/timing.py BUFFERS; default %(default)s): every form in the first process, "
+        "the first form in the others",
+    )
     parser.add_argument("--decode-tokens", default="1,64")
     parser.add_argument("--timeout", type=float, default=200.0, help="seconds per process")
     parser.add_argument("--name", default="record", help="file name suffix: <date>-<device>-<name>.json")
@@ -122,7 +183,11 @@ def main(argv=None) -> int:
         )
     runs, logs = [], {}
     for i in range(args.processes):
-        records, log = bench(common + ([] if i == 0 else ["--no-profile"]), args.timeout, module)
+        if args.tp:
+            extra = [] if i == 0 else ["--no-profile"]
+        else:  # the later processes time the first form only (the record's us)
+            extra = ["--buffers", args.buffers] if i == 0 else ["--no-profile", "--buffers", args.buffers.split(",")[0]]
+        records, log = bench(common + extra, args.timeout, module)
         runs.append(records)
         logs[f"process {i}"] = log[-6000:]
         print(f"process {i}: {sum(r.get('kind') == 'timing' for r in records)} timings", flush=True)
@@ -137,7 +202,7 @@ def main(argv=None) -> int:
     for r in decode:
         if r.get("kind") == "decode_step":
             r["record"] = True
-    header = next((r for r in runs[0] if r.get("kind") == "header"), None) or dict(
+    header = next((r for rs in runs for r in rs if r.get("kind") == "header"), None) or dict(
         kind="header", device=next((r.get("device") for rs in runs for r in rs if r.get("device")), "gpu")
     )
     records = [
@@ -152,14 +217,15 @@ def main(argv=None) -> int:
     with open(path, "w") as f:
         json.dump(dict(records=records, logs=logs), f, indent=1)
     print(f"wrote {path}")
-    print(f"{'backend':10s} {'T':>5s} {'us (median)':>12s}  {'runs':24s} {'us_kernels':>10s}")
+    print(f"{'backend':16s} {'T':>5s} {'us (median)':>12s}  {'runs':24s} {'us_kernels':>10s} {'us_rotated':>10s}")
     for r in records:
         if r.get("kind") == "timing":
             runs_text = "/".join(f"{u:.2f}" for u in r["us_runs"])
             view = f" p{r['process_index']}" if "process_index" in r else ""
             print(
                 f"{(r.get('mode', '') + '/' + r['backend']).strip('/') + view:16s} {r['T']:5d} {r['us']:12.2f}  {runs_text:24s} "
-                f"{r['us_kernels'] if r['us_kernels'] is None else round(r['us_kernels'], 2)!s:>10s}"
+                f"{r['us_kernels'] if r['us_kernels'] is None else round(r['us_kernels'], 2)!s:>10s} "
+                f"{round(r['us_rotated'], 2) if 'us_rotated' in r else '-'!s:>10s}"
             )
         elif r.get("kind") == "decode_step":
             print(

@@ -53,7 +53,18 @@ def parse_args(argv):
     parser.add_argument("--seed", type=int, default=None, help="input seed (default: from the clock)")
     parser.add_argument("--no-profile", action="store_true", help="no kernel times from the profilers")
     parser.add_argument("--allow-cpu", action="store_true", help="run without a GPU (every step skipped)")
+    parser.add_argument(
+        "--buffers",
+        default="donated",
+        help="JAX chains' forms, comma-separated (bench/timing.py BUFFERS); the first for every variant, "
+        "the others for the default variant (default %(default)s)",
+    )
     args = parser.parse_args(argv)
+    args.buffers = tuple(b.strip() for b in args.buffers.split(",") if b.strip())
+    from oproj_jax.bench.timing import BUFFERS
+
+    if not args.buffers or set(args.buffers) - set(BUFFERS):
+        parser.error(f"--buffers: expected some of {','.join(BUFFERS)}")
     args.tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in args.variants if v not in plan.VARIANTS]
@@ -148,9 +159,12 @@ def _timing(name: str, variant: str, config, t) -> dict:
     return record
 
 
-def time_jax(case, variants, platform: str, reps: int, profile: bool, budget: Budget) -> list[dict]:
-    """Every variant with backend.DEFAULT_LOWERING; the default variant also with the other
-    lowerings (what XLA's command buffers save per call shows in the slope)."""
+def time_jax(
+    case, variants, platform: str, reps: int, profile: bool, budget: Budget, buffers=("donated",)
+) -> list[dict]:
+    """Every variant with backend.DEFAULT_LOWERING in the chain form buffers[0]; the default
+    variant also with the other lowerings and in the other forms (bench/timing.py BUFFERS: what
+    XLA's command buffers cost per call shows in the slope)."""
     import jax
 
     from oproj_jax.bench import inputs as bench_inputs
@@ -161,17 +175,18 @@ def time_jax(case, variants, platform: str, reps: int, profile: bool, budget: Bu
     default = plan.default_variant(config.T, config.H)
     others = [(default, lo) for lo in backend.LOWERINGS if lo != backend.DEFAULT_LOWERING and default in variants]
     runs = [(v, backend.DEFAULT_LOWERING) for v in by_promise(variants, config.T)]
-    runs = runs[:1] + others + runs[1:]
+    runs = [(*run, buffers[0]) for run in runs[:1] + others + runs[1:]]
+    runs[1:1] = [(default, backend.DEFAULT_LOWERING, form) for form in buffers[1:] if default in variants]
     if budget.left() <= 0:
         return [
-            _skip(f"jax timing T={config.T} {v} {lo}", "out of time (--budget)", variant=v, T=config.T)
-            for v, lo in runs
+            _skip(f"jax timing T={config.T} {v} {lo} {form}", "out of time (--budget)", variant=v, T=config.T)
+            for v, lo, form in runs
         ]
     k1, k2 = bench_timing.chain_lengths(config, platform)
     pool = bench_inputs.DevicePool(case, k2, l2_bytes=bench_timing.l2_bytes(platform))
     records = []
-    for variant, lowering in runs:
-        what = f"jax timing T={config.T} {variant} {lowering}"
+    for variant, lowering, form in runs:
+        what = f"jax timing T={config.T} {variant} {lowering} {form}"
         if budget.left() <= 0:
             records.append(_skip(what, "out of time (--budget)", variant=variant, T=config.T, lowering=lowering))
             continue
@@ -179,9 +194,10 @@ def time_jax(case, variants, platform: str, reps: int, profile: bool, budget: Bu
         step = jax.jit(functools.partial(backend.launch, **options, variant=variant, lowering=lowering))
         # One profiler trace per T (the default variant's, default lowering): a trace costs seconds.
         traced = profile and (variant, lowering) == (default, backend.DEFAULT_LOWERING)
+        step_args = dict(step=step, profile_single=False, buffers=form)
         name = f"triton_{variant}_{lowering}".replace("-", "_")
         try:
-            t = bench_timing.time_backend(name, pool, config, k1, k2, reps, traced, step=step, profile_single=False)
+            t = bench_timing.time_backend(name, pool, config, k1, k2, reps, traced, **step_args)
         except Exception as err:
             records.append(_error(what, err, variant=variant, T=config.T, lowering=lowering))
             continue
@@ -370,7 +386,7 @@ def _run(args, budget: Budget, platform: str, status: dict, seed: int, profile: 
         runner.log("timings: JAX")
         for i, case in enumerate(hosts):
             share = Budget(budget.left() / (len(hosts) - i))  # an equal share of what is left per T
-            records += time_jax(case, args.variants, platform, args.reps, profile, share)
+            records += time_jax(case, args.variants, platform, args.reps, profile, share, args.buffers)
     finally:
         torch_pool.terminate()
         cases.close()

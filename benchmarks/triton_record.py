@@ -28,9 +28,10 @@ def merge(runs: list[list[dict]]) -> list[dict]:
     for records in runs:
         for r in records:
             if r.get("kind") == "timing" and r["variant"] == plan.default_variant(r["T"], configs.HIDDEN):
-                groups.setdefault((r["T"], r["backend"], r.get("lowering") or ""), []).append(r)
+                key = (r["T"], r["backend"], r.get("lowering") or "", r.get("buffers") or "")
+                groups.setdefault(key, []).append(r)
     merged = []
-    for (T, backend, lowering), rs in sorted(groups.items()):
+    for (T, backend, lowering, buffers), rs in sorted(groups.items()):
         kernels = [r["us_kernels"] for r in rs if r.get("us_kernels") is not None]
         first = rs[0]
         launch = (
@@ -46,6 +47,7 @@ def merge(runs: list[list[dict]]) -> list[dict]:
                     if k in first
                 },
                 **({"lowering": lowering} if lowering else {}),
+                **({"buffers": buffers} if buffers else {}),
                 us=statistics.median(r["us"] for r in rs),
                 us_runs=[r["us"] for r in rs],
                 us_kernels=statistics.median(kernels) if kernels else None,
@@ -72,7 +74,8 @@ def main(argv=None) -> int:
     for r in merged:
         kernels = "-" if r["us_kernels"] is None else f"{r['us_kernels']:.2f}"
         print(
-            f"{r['backend']:12s} {r.get('lowering', ''):12s} T={r['T']:5d} {r['variant']:14s} us {r['us']:8.2f}  kernels {kernels}"
+            f"{r['backend']:12s} {r.get('lowering', ''):8s} {r.get('buffers', ''):8s} T={r['T']:5d} {r['variant']:24s} "
+            f"us {r['us']:8.2f}  kernels {kernels}"
         )
     return 0
 

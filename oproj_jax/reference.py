@@ -9,10 +9,19 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from oproj_jax.api import ConsumerResult, Dims
 
 f32, bf16 = jnp.float32, jnp.bfloat16
+
+
+def to_bf16(x):
+    """f32 -> bf16, to nearest even: a rounding point. The reduce-precision comes first because
+    XLA on a GPU (with its default excess precision) drops an f32 -> bf16 -> f32 pair of
+    converts that lands in one fusion, e.g. one call's prefix and the next call's read of it in
+    a jitted loop; it never drops a reduce-precision."""
+    return lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7).astype(bf16)
 
 
 def unavailable_reason(platform: str) -> str | None:
@@ -75,10 +84,10 @@ def consumer(
 ) -> ConsumerResult:
     hidden = mailbox.shape[-1]
     attn = rank_sum(published(mailbox).astype(f32), groups)  # [T, H]
-    attn = attn.astype(bf16).astype(f32)  # ROUND: the reduced partials are bf16
+    attn = to_bf16(attn).astype(f32)  # ROUND: the reduced partials are bf16
     if has_delta:
         attn = prefix.astype(f32) + attn
-    new_prefix = attn.astype(bf16)  # ROUND: the prefix is stored in bf16
+    new_prefix = to_bf16(attn)  # ROUND: the prefix is stored in bf16
     p = new_prefix.astype(f32)
 
     w = norm.astype(f32) * query.astype(f32)  # [H]: key norm folded into the pseudo-query
@@ -89,7 +98,7 @@ def consumer(
     weights = jax.nn.softmax(logits, axis=-1) if blocks.shape[1] else jnp.ones_like(logits)
     y = jnp.sum(weights[..., None] * sources, axis=1)  # f32, never rounded
     y = y * rstd(jnp.sum(y * y, axis=-1, keepdims=True), out_eps, hidden)
-    output = (y * out_norm.astype(f32)).astype(bf16)  # ROUND: the output is bf16
+    output = to_bf16(y * out_norm.astype(f32))  # ROUND: the output is bf16
 
     xmoe = None
     if xmoe_replicas:
@@ -99,4 +108,4 @@ def consumer(
 
 def twoshot_gather(mailbox):  # [R, T, H] bf16 -> [1, T, H] bf16
     """Twoshot's gather row: the rank-order sum (groups=1), rounded to bf16 as it is stored."""
-    return rank_sum(published(mailbox).astype(f32), 1).astype(bf16)[None]
+    return to_bf16(rank_sum(published(mailbox).astype(f32), 1))[None]

@@ -48,7 +48,7 @@ from jax.sharding import PartitionSpec as P
 from oproj_jax import api
 from oproj_jax.cute import peer
 from oproj_jax.options import Options, takes_options
-from oproj_jax.reference import rank_sum, without_negative_zero
+from oproj_jax.reference import rank_sum, to_bf16, without_negative_zero
 
 MODES = ("oneshot", "twoshot", "psum", "peer")
 
@@ -228,12 +228,12 @@ def _mailbox(mine, axis_name: str, mode: str, ranks: int):  # [1, T, H] bf16, pu
         _, T, H = mine.shape
         slices = mine[0].reshape(T, ranks, H // ranks).transpose(1, 0, 2)  # [R, T, H/R]: slice s -> rank s
         recv = jax.lax.all_to_all(slices, axis_name, 0, 0, tiled=True)  # [R, T, H/R]: row s from rank s
-        mine_sum = rank_sum(recv.astype(f32), 1).astype(bf16)  # ROUND: rank order, f32, stored as bf16
+        mine_sum = to_bf16(rank_sum(recv.astype(f32), 1))  # ROUND: rank order, f32, stored as bf16
         mine_sum = without_negative_zero(mine_sum)  # published into the gather row
         row = jax.lax.all_gather(mine_sum, axis_name, axis=1, tiled=True, to="invarying")  # [T, H]
         return row[None]
     total = jax.lax.psum(mine[0].astype(f32), axis_name)  # [T, H] f32, XLA's order
-    return without_negative_zero(total.astype(bf16))[None]  # ROUND: stored as bf16, published
+    return without_negative_zero(to_bf16(total))[None]  # ROUND: stored as bf16, published
 
 
 @functools.lru_cache(maxsize=64)
@@ -263,7 +263,7 @@ def _sharded(mesh, axis_name, mode, backend, options, fused, no_blocks, peer_pla
     if fused:
 
         def body(attn, w_o, *rest):  # attn [T, K/R], w_o [K/R, H]: this rank's heads
-            partial = jnp.dot(attn, w_o, preferred_element_type=f32).astype(bf16)  # ROUND: bf16 partial
+            partial = to_bf16(jnp.dot(attn, w_o, preferred_element_type=f32))  # ROUND: bf16 partial
             return consume(partial[None], *rest)
 
         in_specs = (P(None, axis_name), P(axis_name, None), *replicated)

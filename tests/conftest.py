@@ -1,5 +1,6 @@
 """Test-wide setup: 16 CPU devices (a simulated TP16 mesh) and the GPU skip rule."""
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -17,6 +18,15 @@ def _private_cubin_cache(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("OPROJ_JAX_CACHE_DIR", str(tmp_path_factory.mktemp("cubin_cache")))
         yield
+
+
+def benchmark_script(name: str):
+    """benchmarks/<name>.py imported as a module (the scripts are not a package)."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def dsl_missing_reason() -> str | None:

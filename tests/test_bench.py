@@ -13,12 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import worker_env
+from conftest import benchmark_script, worker_env
 
 from oproj_jax import api, configs, reference, testing
 from oproj_jax.bench import __main__ as cli
 from oproj_jax.bench import backends as bench_backends
-from oproj_jax.bench import checks, inputs, report, timing
+from oproj_jax.bench import checks, inputs, report, runner, timing
 
 TIMING_FIELDS = {
     "backend",
@@ -92,6 +92,7 @@ def test_cli_json_has_required_fields(cli_run):
     (t,) = [r for r in records if r["kind"] == "timing"]
     assert TIMING_FIELDS <= set(t)
     assert (t["backend"], t["T"], t["R"], t["NB"], t["groups"]) == ("reference", 1, 2, 1, 4)
+    assert t["buffers"] == "donated"  # the CLI's default form, a decode loop's
     assert np.isfinite(t["us"]) and t["noise_us"] >= 0  # a loaded 2-core CPU can even give us <= 0
     assert t["bytes"] == configs.min_bytes(configs.Config(2, 1, 1))
     if t["us"] > 0:
@@ -104,7 +105,7 @@ def test_cli_json_has_required_fields(cli_run):
 def test_cli_prints_the_table(cli_run):
     out = cli_run["stdout"]
     assert "us/call" in out and "% copy" in out and "x ref" in out
-    assert any(line.startswith("reference") and line.split()[1] == "1" for line in out.splitlines())
+    assert any(line.startswith("reference") and line.split()[1:3] == ["donated", "1"] for line in out.splitlines())
     assert "copy bandwidth (roofline)" in out
 
 
@@ -227,6 +228,74 @@ def test_slope_removes_constant_overhead(monkeypatch):
     assert per_call == pytest.approx(1000.0)
     assert (t1, t2) == (pytest.approx(4000.0), pytest.approx(8000.0))
     assert noise == pytest.approx(0.0, abs=1e-6)  # one outlier does not move the medians or the MADs
+
+
+def test_donated_chain_keeps_its_buffers_and_computes_the_calls():
+    """The decode-loop form of the chain: its state stays in the same buffers from one execution
+    to the next (no graph updates on a GPU), and call i computes what the consumer computes on
+    set i with the previous call's prefix."""
+    config = configs.Config(2, 1, 1)
+    pool = inputs.DevicePool(inputs.host_case(config, 3), 3, l2_bytes=2**16)
+    step = timing.consumer_step("reference", config)
+    loop = timing.donated_loop(timing.donated_chain(step, 2, "chain"), step, pool, 3, "cpu")
+    mailboxes, blocks, prefix = pool.lists[0]
+    want = [prefix]
+    for i in range(2):
+        result = api.consumer(
+            mailboxes[i], want[-1], blocks[i], *pool.weights, backend="reference", **timing.consumer_options(config)
+        )
+        want.append(result.prefix)
+    # (a numpy view of a CPU buffer is a reference that stops its donation: values are read last)
+    pointers = lambda: [x.unsafe_buffer_pointer() for x in (loop.state[0], *loop.state[1], loop.state[3])]  # noqa: E731
+    jax.block_until_ready(loop())
+    before = pointers()
+    for _ in range(3):
+        jax.block_until_ready(loop())
+        assert pointers() == before
+    fresh = timing.donated_loop(timing.donated_chain(step, 2, "chain"), step, pool, 3, "cpu")
+    prefix_out, outputs, _, prelude = fresh()
+    np.testing.assert_array_equal(np.asarray(prefix_out), np.asarray(want[2]))
+    assert prelude.nbytes == timing.prelude_bytes("cpu") and np.asarray(prelude).max() == 1
+    assert not np.asarray(outputs[2]).any()  # call 3 is the K2 chain's only
+
+
+def test_rotated_chain_computes_the_calls_on_each_set():
+    config = configs.Config(2, 1, 1)
+    pool = inputs.DevicePool(inputs.host_case(config, 4), 2, l2_bytes=2**16)
+    step = timing.consumer_step("reference", config)
+    loop = timing.rotated_loop(timing.consumer_chain(step, 2, "chain"), "cpu")
+    for i in range(3):  # the lists in turn; the prelude buffer carried from one to the next
+        mailboxes, blocks, prefix, *weights = pool.args(i)
+        want = prefix
+        for k in range(2):
+            want = api.consumer(
+                mailboxes[k], want, blocks[k], *weights, backend="reference", **timing.consumer_options(config)
+            ).prefix
+        got, outputs, _, _ = loop(*pool.args(i))
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert len(outputs) == 2
+
+
+def test_record_recovers_the_timings_a_stopped_process_logged(capsys):
+    """A process stopped by its timeout writes no JSON; record.py takes the timings from the
+    lines bench/runner.py logged (the same writer makes the lines here) and merges them beside
+    the complete runs, marked."""
+    record = benchmark_script("record")
+    config = configs.Config(16, 64, 8)
+    profiled = timing.Timing(9.5, 8, 32, 30, 32, 1494.0, 1722.0, 2.2, 16.3, "note", 16.34, 9.42, buffers="donated")
+    rotated = timing.Timing(13.2, 8, 32, 30, 64, 1486.0, 1803.0, 7.5, buffers="rotated")
+    for t in (profiled, rotated):
+        runner._log_timing("cute", config, t)
+    recovered = record.records_from_log("timed out after 100 s: " + capsys.readouterr().err)
+    assert [(r["backend"], r["T"], r["buffers"], r["us"], r["us_kernels"]) for r in recovered] == [
+        ("cute", 64, "donated", 9.5, 9.42),
+        ("cute", 64, "rotated", 13.2, None),
+    ]
+    complete = [dict(recovered[0], us=10.1, us_kernels=None, recovered_from_log=False, device="gpu")]
+    (merged,) = record.merge([recovered, complete, [dict(complete[0], us=9.2)]])
+    assert merged["us_runs"] == [9.5, 10.1, 9.2] and merged["us"] == 9.5
+    assert merged["us_runs_from_log"] == [0] and merged["us_kernels"] == 9.42 and merged["device"] == "gpu"
+    assert merged["us_rotated"] == 13.2
 
 
 def test_busy_time_counts_overlapping_kernels_once():

@@ -300,16 +300,52 @@ def test_jit(backend):
     testing.check_result(PRODUCTION, arrays, result, **EPS)
 
 
+def three_steps(backend: str, jax_transform: str):
+    """Three decode steps of PRODUCTION (fresh mailboxes): (steps, consume, the arrays after the
+    mailbox and prefix on the device), skipped where `backend` cannot run them."""
+    need(backend, jax_transform)
+    steps = step_inputs(PRODUCTION, 3)
+    need_support(backend, steps[0], PRODUCTION.options())
+    return steps, jax_consumer(backend, PRODUCTION), device_args(steps[0])[2:]
+
+
+def check_steps(steps: list[dict], results, what: str):
+    """Each step's (prefix, output) against the oracle from the previous step's prefix; returns
+    the last prefix."""
+    prefix = steps[0]["prefix"]
+    for k, (arrays, (new_prefix, output)) in enumerate(zip(steps, results)):
+        testing.check_result(
+            PRODUCTION, dict(arrays, prefix=prefix), (new_prefix, output, None), **EPS, what=f"{what} {k}"
+        )
+        prefix = np.asarray(new_prefix)
+    return prefix
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unrolled_calls_in_one_jit_keep_every_rounding_point(backend):
+    """Three calls unrolled in one jit, each taking the previous call's prefix: every call
+    against the oracle from the previous prefix. XLA may fuse across the calls; a rounding point
+    written as an f32 -> bf16 -> f32 pair of converts is then dropped on a GPU (excess
+    precision), which moves prefix bits (reference.to_bf16)."""
+    steps, consume, rest = three_steps(backend, "jax.jit")
+
+    @jax.jit
+    def decode(prefix, mailboxes):
+        results = []
+        for mailbox in mailboxes:
+            out = consume(mailbox, prefix, *rest)
+            prefix = out.prefix
+            results.append((out.prefix, out.output))
+        return results
+
+    check_steps(steps, decode(jnp.asarray(steps[0]["prefix"]), [jnp.asarray(s["mailbox"]) for s in steps]), "call")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_lax_scan_carries_the_prefix(backend):
     """Three decode steps in one jitted lax.scan, the prefix carried: every step against the
     oracle, from the backend's own previous prefix."""
-    need(backend, "lax.scan")
-    config = PRODUCTION
-    steps = step_inputs(config, 3)
-    need_support(backend, steps[0], config.options())
-    consume = jax_consumer(backend, config)
-    rest = device_args(steps[0])[2:]
+    steps, consume, rest = three_steps(backend, "lax.scan")
 
     @jax.jit
     def decode(prefix, mailboxes):
@@ -321,11 +357,7 @@ def test_lax_scan_carries_the_prefix(backend):
 
     mailboxes = jnp.stack([jnp.asarray(s["mailbox"]) for s in steps])
     final, (prefixes, outputs) = decode(jnp.asarray(steps[0]["prefix"]), mailboxes)
-    prefix = steps[0]["prefix"]
-    for k, arrays in enumerate(steps):
-        arrays = dict(arrays, prefix=prefix)
-        testing.check_result(config, arrays, (prefixes[k], outputs[k], None), **EPS, what=f"scan step {k}")
-        prefix = np.asarray(prefixes[k])
+    prefix = check_steps(steps, [(prefixes[k], outputs[k]) for k in range(len(steps))], "scan step")
     testing.assert_same_bits(final, prefix, "the carried prefix")
 
 

@@ -39,6 +39,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from conftest import benchmark_script
 from oproj_jax import configs, testing
 from oproj_jax.configs import Config
 from oproj_jax.triton import plan
@@ -267,6 +268,33 @@ def test_kernels_compile_for_sm90_without_fma(name, tmp_path, monkeypatch):
         assert re.search(r"\badd\.rn\.f32\b", ptx)
 
 
+def _registers(launch: plan.Launch, folder: pathlib.Path) -> tuple[int, int]:
+    """(registers a thread, stack bytes) of the launch's kernel as ptxas built it (cuobjdump)."""
+    import triton.backends.nvidia
+
+    cuobjdump = pathlib.Path(triton.backends.nvidia.__file__).parent / "bin" / "cuobjdump"
+    if not cuobjdump.is_file():
+        pytest.skip(f"no cuobjdump in the triton wheel ({cuobjdump})")
+    cubin = folder / f"{launch.kernel}-{launch.max_registers}.cubin"
+    cubin.write_bytes(_compile_sm90(launch).asm["cubin"])
+    usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True, check=True)
+    registers, stack = re.search(r"REG:(\d+) STACK:(\d+)", usage.stdout).groups()
+    return int(registers), int(stack)
+
+
+def test_register_cap_reaches_ptxas(tmp_path, monkeypatch):
+    """A variant with a register cap is compiled with it (.maxnreg) and ptxas fits the kernel
+    in it without spilling; the same kernel uncapped takes more registers (the cap is what buys
+    the occupancy)."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    capped = plan.make(16, 4096, 8, 7168, **PRODUCTION, variant="sync-1024-w4-reload-r64").launches[0]
+    uncapped = plan.make(16, 4096, 8, 7168, **PRODUCTION, variant="sync-1024-w4-reload").launches[0]
+    assert capped.options()["maxnreg"] == 64 and "maxnreg" not in uncapped.options()
+    assert dict(capped.constexprs)["RELOAD"] is True
+    assert _registers(capped, tmp_path) == (64, 0)
+    assert _registers(uncapped, tmp_path)[0] > 64
+
+
 def test_sync_kernel_barriers_as_compiled(tmp_path, monkeypatch):
     """The sync kernel's two barriers in the PTX: one thread of a program counts it in (acq_rel)
     and polls (acquire), both predicated, at GPU scope; the poll bound ends in a trap. Its
@@ -493,17 +521,18 @@ def test_default_rule_by_tokens():
         "sync-256-w1",
         "sync-2048-w8",
         "sync-2048-w8",
-        "row-w16",
-        "row-w16",
-        "sync-1024-w4",
-        "sync-1024-w4",
+        "sync-1024-w4-reload-r64",
+        "sync-1024-w4-reload-r64",
+        "sync-1024-w4-reload-r64",
+        "sync-1024-w4-reload-r64",
     ]
     # sync-256-w1 would run 64 chunks: the first wider sync variant that fits, 32 chunks of 512
     assert plan.default_variant(1, 16384) == "sync-512-w4"
     assert plan.default_variant(1, 16896) == "sync-1024-w4"  # 33 chunks of 512: too many
     assert plan.default_variant(1, 65537) == plan.WIDE_ROW  # no sync variant fits, nor a row in registers
-    assert plan.default_variant(512, 32768) == plan.WIDE_ROW  # a row too wide for registers
-    assert plan.default_variant(4096, 32768) == "sync-1024-w4"  # 32 chunks
+    assert plan.default_variant(512, 65537) == plan.WIDE_ROW  # no sync variant fits, nor a row in registers
+    assert plan.default_variant(4096, 32768) == "sync-1024-w4-reload-r64"  # 32 chunks
+    assert plan.default_variant(4096, 32769) == "sync-2048-w8"  # 33 chunks of 1024: the wider one
     assert plan.default_variant(65536, 7168) == "row-w16"  # more tokens than a sync grid takes
     for T in (1, 64, 512, 4096, 65536):  # every default is a variant the plan accepts at that T and H
         for H in (256, 7168, 16384, 16896, 32768):
@@ -622,22 +651,13 @@ def test_torch_entry_refuses_an_old_gpu(monkeypatch):
 # ---- the GPU benchmark script, what runs without a GPU ----------------------------------------
 
 
-def _script():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("triton_gpu_script", ROOT / "benchmarks" / "triton_gpu.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_benchmark_script_without_a_gpu_records_every_step_as_skipped(tmp_path):
     try:
         if jax.devices("gpu"):
             pytest.skip("a GPU is here: the script checks and times for real (it runs on the GPU machine)")
     except RuntimeError:
         pass  # no GPU: the case this test is about
-    script = _script()
+    script = benchmark_script("triton_gpu")
     assert script.main(["--allow-cpu", "--out", str(tmp_path), "--tokens", "1,4096", "--budget", "30"]) == 0
     (path,) = tmp_path.glob("*-triton.json")
     records = json.loads(path.read_text())
@@ -648,7 +668,7 @@ def test_benchmark_script_without_a_gpu_records_every_step_as_skipped(tmp_path):
 
 
 def test_benchmark_script_picks_the_fastest_variant_per_tokens():
-    script = _script()
+    script = benchmark_script("triton_gpu")
     timing = lambda backend, T, variant, us, kernels: dict(
         kind="timing", backend=backend, T=T, variant=variant, us=us, us_kernels=kernels
     )

@@ -60,6 +60,13 @@ def parse_args(argv):
     parser.add_argument("--check", action="store_true", help="check each backend against the reference first")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiler cross-check (GPU)")
     parser.add_argument(
+        "--buffers",
+        default="donated",
+        help="the chain's form, comma-separated (bench/timing.py BUFFERS): 'donated' (default: a decode loop's, the "
+        "state donated from one execution to the next, no buffer moves) and/or 'rotated' (new buffers every "
+        "execution, so XLA updates its CUDA graph before each launch)",
+    )
+    parser.add_argument(
         "--l2-warm",
         action="store_true",
         help="diagnostic: every call reads the same input set (L2-warm when it fits); not a benchmark",
@@ -113,6 +120,10 @@ def parse_args(argv):
     unknown = set(args.mailboxes.split(",")) - set(MAILBOXES)
     if unknown:
         parser.error(f"--mailboxes: expected some of {','.join(MAILBOXES)}, got {args.mailboxes!r}")
+    from oproj_jax.bench.timing import BUFFERS
+
+    if not args.buffers or set(args.buffers.split(",")) - set(BUFFERS):
+        parser.error(f"--buffers: expected some of {','.join(BUFFERS)}, got {args.buffers!r}")
     if args.reps is not None and args.reps < 1:
         parser.error(f"--reps: expected >= 1, got {args.reps}")
     return args
@@ -209,7 +220,9 @@ def main(argv=None) -> int:
         if args.check:
             records += runner.run_checks(wanted, bench_configs, cases)
         records.append(runner.run_copy(platform, reps, profile))
-        records += runner.run_timings(wanted, bench_configs, cases, platform, reps, profile, l2_warm=args.l2_warm)
+        records += runner.run_timings(
+            wanted, bench_configs, cases, platform, reps, profile, l2_warm=args.l2_warm, buffers=args.buffers.split(",")
+        )
     finally:
         cases.close()
     report.derive(records)

@@ -3,7 +3,7 @@
 Record kinds (one list, written as JSON):
   header  : {"kind": "header", "date", "device", "platform", "versions": {...}, "seed", ...}
   copy    : {"kind": "copy", "us", "gbps", "bytes", "method", "device", "date", ...}
-  timing  : {"kind": "timing", "backend", "T", "R", "NB", "groups", "has_delta", "us", "device",
+  timing  : {"kind": "timing", "backend", "buffers", "T", "R", "NB", "groups", "has_delta", "us", "device",
              "date", "bytes", "gbps", "pct_roofline", "speedup_vs_reference", "method",
              "us_profiler", "us_kernels" (the profiler's time less memcpy events), ...}
   check   : {"kind": "check", "backend", "config", "prefix_mismatch", "out_rel_l2", "ok", ...}
@@ -32,11 +32,12 @@ def derive(records: list[dict]) -> None:
             )
     copy_gbps = copy["gbps"] if copy else None
     timings = [r for r in records if r.get("kind") == "timing"]
-    reference_us = {(r["T"], r["R"], r["NB"], r["groups"]): r["us"] for r in timings if r["backend"] == "reference"}
+    key = lambda r: (r["T"], r["R"], r["NB"], r["groups"], r.get("buffers"))  # noqa: E731
+    reference_us = {key(r): r["us"] for r in timings if r["backend"] == "reference"}
     for r in timings:
         r["gbps"] = r["bytes"] / r["us"] / 1e3 if r["us"] > 0 else None
         r["pct_roofline"] = 100.0 * r["gbps"] / copy_gbps if (copy_gbps and r["gbps"]) else None
-        ref = reference_us.get((r["T"], r["R"], r["NB"], r["groups"]))
+        ref = reference_us.get(key(r))
         r["speedup_vs_reference"] = ref / r["us"] if (ref and r["us"] > 0) else None
 
 
@@ -48,8 +49,11 @@ def _fmt(value, spec: str, missing: str = "-") -> str:
 
 def timing_table(records: list[dict]) -> str:
     copy = next((r for r in records if r.get("kind") == "copy"), None)
-    rows = sorted((r for r in records if r.get("kind") == "timing"), key=lambda r: (r["T"], r["backend"]))
-    head = ("backend", "T", "us/call", "us(prof)", "us(kern)", "us(1call)", "GB/s", "% copy", "x ref")
+    rows = sorted(
+        (r for r in records if r.get("kind") == "timing"),
+        key=lambda r: (r["T"], r.get("buffers") or "", r["backend"]),
+    )
+    head = ("backend", "buffers", "T", "us/call", "us(prof)", "us(kern)", "us(1call)", "GB/s", "% copy", "x ref")
     lines = []
     if copy:
         lines.append(f"copy bandwidth (roofline): {copy['gbps']:.0f} GB/s")
@@ -62,6 +66,7 @@ def timing_table(records: list[dict]) -> str:
     table = [head] + [
         (
             r["backend"],
+            r.get("buffers") or "-",
             str(r["T"]),
             _fmt(r["us"], ".1f"),
             _fmt(r.get("us_profiler"), ".1f"),
@@ -172,9 +177,13 @@ def write_plot(records: list[dict], path: str) -> str | None:
     copy = next((r for r in records if r.get("kind") == "copy"), None)
     header = next((r for r in records if r.get("kind") == "header"), {})
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for backend in sorted({r["backend"] for r in timings}):
-        rows = sorted((r for r in timings if r["backend"] == backend), key=lambda r: r["T"])
-        ax.plot([r["T"] for r in rows], [r["us"] for r in rows], marker="o", label=backend)
+    for backend, buffers in sorted({(r["backend"], r.get("buffers") or "") for r in timings}):
+        rows = sorted(
+            (r for r in timings if r["backend"] == backend and (r.get("buffers") or "") == buffers),
+            key=lambda r: r["T"],
+        )
+        label = f"{backend} ({buffers})" if buffers else backend
+        ax.plot([r["T"] for r in rows], [r["us"] for r in rows], marker="o", label=label)
     if copy and timings:
         by_t = {r["T"]: r["bytes"] for r in timings}
         ts = sorted(by_t)

@@ -187,6 +187,7 @@ def _timing_record(name: str, config: configs.Config, t) -> dict:
     return dict(
         kind="timing",
         backend=name,
+        buffers=t.buffers if t.method_text is None else None,
         **bench_timing.shape_fields(config),
         config=config.name,
         us=t.us,
@@ -202,7 +203,10 @@ def _timing_record(name: str, config: configs.Config, t) -> dict:
         t_k2_us=t.t_k2_us,
         noise_us=t.noise_us,
         us_profiler=t.us_profiler,
-        us_kernels=t.us_profiler_kernels,
+        # the kernels' busy time: with PDL a kernel starts while its predecessor runs and waits
+        # (griddepcontrol.wait), so summed durations count the wait as kernel time
+        us_kernels=t.us_profiler_busy if t.us_profiler_busy is not None else t.us_profiler_kernels,
+        us_kernels_summed=t.us_profiler_kernels,
         us_busy=t.us_profiler_busy,
         profiler_note=t.profiler_note,
         us_profiler_single=t.us_profiler_single,
@@ -217,7 +221,7 @@ def _log_timing(name: str, config: configs.Config, t) -> None:
         kernels += f", busy {t.us_profiler_busy:.2f}" if t.us_profiler_busy is not None else ""
         profiler = f"  (profiler {t.us_profiler:.1f}{kernels})"
     log(
-        f"time T={config.T:5d} {name:10s} {t.us:9.1f} us/call"
+        f"time T={config.T:5d} {name:10s} {'' if t.method_text else t.buffers:8s} {t.us:9.1f} us/call"
         + profiler
         + (f"  (1-call jit profiler {t.us_profiler_single:.1f})" if t.us_profiler_single is not None else "")
         + f"  [t(K1)={t.t_k1_us:.0f} t(K2)={t.t_k2_us:.0f} us, noise ~{t.noise_us:.1f} us/call]"
@@ -233,6 +237,7 @@ def run_timings(
     reps: int,
     profile: bool,
     l2_warm: bool = False,
+    buffers=("donated",),
 ) -> list[dict]:
     """JAX backends first, T by T; then the torch baseline in its own process (its CUDA graphs
     and profiler must not share a process with JAX: CUPTI takes one subscriber, and a failed
@@ -258,15 +263,16 @@ def run_timings(
             if reason:
                 records.append(_skip(name, f"timing {config.name}", reason))
                 continue
-            try:
-                t = bench_timing.time_backend(name, pool, config, k1, k2, reps, profile)
-            except Exception as err:
-                records.append(_error(name, f"timing {config.name}", err))
-                continue
-            if l2_warm:
-                t.method_text = "L2-WARM (diagnostic: one input set reused by every call): " + t.method
-            records.append(_timing_record(name, config, t))
-            _log_timing(name, config, t)
+            for form in ("rotated",) if l2_warm else buffers:
+                try:
+                    t = bench_timing.time_backend(name, pool, config, k1, k2, reps, profile, buffers=form)
+                except Exception as err:
+                    records.append(_error(name, f"timing {config.name} {form}", err))
+                    continue
+                if l2_warm:
+                    t.method_text = "L2-WARM (diagnostic: one input set reused by every call): " + t.method
+                records.append(_timing_record(name, config, t))
+                _log_timing(name, config, t)
         del pool
         gc.collect()
     torch_names = [b for b in backends if b in bench_backends.TORCH_PROCESS]

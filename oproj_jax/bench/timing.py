@@ -10,8 +10,19 @@ live). The wall time of such an execution is overhead + K * per-call time, so
     per-call time = (t(K2) - t(K1)) / (K2 - K1),  t = median wall time of an execution.
 
 Both jits take the same K2 input sets (keep_unused=True), so the per-argument dispatch cost
-cancels too. Executions cycle through input lists (inputs.DevicePool) so L2 is cold. The
-profiler's device times (kernel durations summed per call) are a cross-check.
+cancels too. The profiler's device times (kernel durations summed per call) are a cross-check.
+
+Two forms of the chain (BUFFERS):
+- "donated", a decode loop's form: every execution reads the same input sets and carries its
+  state (the prefix, every output) from one execution to the next by donation, so no buffer
+  moves between executions.
+- "rotated": executions cycle through lists of input copies (inputs.DevicePool) and every
+  output is a new allocation, so every buffer moves between executions. Inside XLA's command
+  buffer (a CUDA graph) each moved buffer is a graph update before the launch, host work per
+  call that a loop with donated state does not pay (docs/perf.md).
+Both start with a pass over a large buffer (_prelude): it evicts L2, so every call reads its
+inputs from HBM, and it keeps the device busy until the host is done with the execution, so
+the device's time per call is never hidden behind the host's work in the shorter chain.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ from oproj_jax import api, configs
 from oproj_jax.bench import inputs as bench_inputs
 
 EPS = 1e-6
+BUFFERS = ("donated", "rotated")
 H200_L2_BYTES = 50 * 2**20  # H200 L2 cache (50 MB)
 CPU_CACHE_BYTES = 32 * 2**20  # a generous last-level cache for the CPU runs
 
@@ -57,25 +69,32 @@ class Timing:
     us_profiler_single: float | None = None  # kernel time per call of the one-call executable
     profiler_single_note: str | None = None
     method_text: str | None = None  # set by timers that measure differently (torch: CUDA graphs)
+    buffers: str = "rotated"  # the chain's form (BUFFERS)
 
     @property
     def method(self) -> str:
         if self.method_text:
             return self.method_text
+        if self.buffers == "donated":
+            sets = f"{self.n_sets} distinct input sets, the state donated from execution to execution"
+        else:
+            sets = f"{self.n_sets} distinct input sets rotated, new output buffers every execution"
+        sets += ", each execution after a prelude pass that evicts L2 (L2-cold)"
         return (
             f"slope of unrolled chains of dependent calls in one jit: (t(K2)-t(K1))/(K2-K1), "
-            f"K1={self.k1}, K2={self.k2}, median of {self.reps} executions each, "
-            f"{self.n_sets} distinct input sets rotated (L2-cold)"
+            f"K1={self.k1}, K2={self.k2}, median of {self.reps} executions each, {sets}"
         )
 
 
 def chain_lengths(config: configs.Config, platform: str) -> tuple[int, int]:
     """(K1, K2): the difference of the chains should take >= ~1 ms at a few TB/s (a rough guess
-    of 15 us + bytes / 3 TB/s per call), with K2 <= 32 to keep compile times bounded."""
+    of 15 us + bytes / 3 TB/s per call), with 8 <= K2 <= 32 (at least 6 calls apart: one slow
+    execution moves a slope over fewer calls by tens of us at T = 4096; K2 <= 32 keeps compile
+    times bounded)."""
     if platform != "gpu":
         return 1, 3  # CPU smoke runs: kernels are interpreted there, each call is slow
     est_us = 15.0 + configs.min_bytes(config) / 3e6
-    k2 = min(32, max(4, math.ceil(1.33 * 1500.0 / est_us)))
+    k2 = min(32, max(8, math.ceil(1.33 * 1500.0 / est_us)))
     return max(1, k2 // 4), k2
 
 
@@ -95,21 +114,89 @@ def shape_fields(config: configs.Config) -> dict:
     return dict(T=config.T, R=config.R, NB=config.NB, groups=config.groups, has_delta=config.has_delta)
 
 
-def consumer_chain(step, k: int, name: str):
-    """jit of k dependent calls: (mailboxes[K2], blocks[K2], prefix, norm, query, out_norm) ->
-    (final prefix, k outputs, k xmoes). Only the first k sets are read; the rest are kept
-    arguments so the K1 and K2 executables take the same arguments."""
+def _prelude(prefix, buffer):
+    """A pass over `buffer` that the first call waits for. It evicts L2, so every call of the
+    chain reads its inputs from HBM, and it keeps the device busy past the host's own work for
+    the execution (prelude_bytes), so that t(K) = host work before the launch + prelude + the
+    device time of the K calls: the slope is then the device's time per call (plus any host work
+    per call before the launch, such as graph updates), never hidden behind the host."""
+    buffer = buffer + jnp.uint32(1)
+    return lax.optimization_barrier((prefix, buffer))
 
-    def chain(mailboxes, blocks, prefix, norm, query, out_norm):
+
+def consumer_chain(step, k: int, name: str):
+    """The rotated form: jit of k dependent calls, (mailboxes[K2], blocks[K2], prefix, norm,
+    query, out_norm, prelude) -> (final prefix, k outputs, k xmoes, prelude), the prelude buffer
+    donated (_prelude). Only the first k sets are read; the rest are kept arguments so the K1 and
+    K2 executables take the same arguments."""
+
+    def chain(mailboxes, blocks, prefix, norm, query, out_norm, prelude):
+        prefix, prelude = _prelude(prefix, prelude)
         outputs, xmoes = [], []
         for i in range(k):
             prefix, output, xmoe = step(mailboxes[i], prefix, blocks[i], norm, query, out_norm)
             outputs.append(output)
             xmoes.append(xmoe)
-        return prefix, outputs, xmoes
+        return prefix, outputs, xmoes, prelude
 
     chain.__name__ = chain.__qualname__ = name
-    return jax.jit(chain, keep_unused=True)
+    return jax.jit(chain, keep_unused=True, donate_argnums=(6,))
+
+
+def donated_chain(step, k: int, name: str):
+    """The donated form, a decode loop's: jit of k dependent calls, (mailboxes[K2], blocks[K2],
+    norm, query, out_norm, prefix, outputs[K2], xmoes[K2], prelude) -> (prefix, outputs, xmoes,
+    prelude), the last four donated. Calls i < k write outputs[i] and xmoes[i] in place of the
+    donated buffers; the rest pass through, so the K1 and K2 executables take and return the same
+    arguments."""
+
+    def chain(mailboxes, blocks, norm, query, out_norm, prefix, outputs, xmoes, prelude):
+        prefix, prelude = _prelude(prefix, prelude)
+        outputs, xmoes = list(outputs), list(xmoes)
+        for i in range(k):
+            prefix, outputs[i], xmoes[i] = step(mailboxes[i], prefix, blocks[i], norm, query, out_norm)
+        return prefix, tuple(outputs), tuple(xmoes), prelude
+
+    chain.__name__ = chain.__qualname__ = name
+    return jax.jit(chain, keep_unused=True, donate_argnums=(5, 6, 7, 8))
+
+
+class Loop:
+    """Runs a chain as a loop does: the trailing part of what it returns (`state`, donated) is
+    what it is given next, so those buffers stay where they are. loop(*args) = fn(*inputs,
+    *args, *state)."""
+
+    def __init__(self, fn, state, inputs=()):
+        self.fn, self.state, self.inputs = fn, tuple(jax.block_until_ready(state)), tuple(inputs)
+
+    def __call__(self, *args):
+        out = self.fn(*self.inputs, *args, *self.state)
+        self.state = tuple(out[len(out) - len(self.state) :])
+        return out
+
+
+def prelude_buffer(platform: str):
+    return jnp.zeros((prelude_bytes(platform) // 4,), jnp.uint32)
+
+
+def rotated_loop(fn, platform: str) -> Loop:
+    """consumer_chain's executable with its prelude buffer: called with pool.args(i)."""
+    return Loop(fn, (prelude_buffer(platform),))
+
+
+def donated_loop(fn, step, pool: bench_inputs.DevicePool, k2: int, platform: str) -> Loop:
+    """donated_chain's executable on the pool's first list, with its initial state: called with
+    no arguments."""
+    mailboxes, blocks, prefix = pool.lists[0]
+    shapes = jax.eval_shape(step, mailboxes[0], prefix, blocks[0], *pool.weights)
+    zeros = lambda s: None if s is None else jnp.zeros(s.shape, s.dtype)  # noqa: E731
+    state = (
+        jnp.copy(prefix),
+        tuple(zeros(shapes.output) for _ in range(k2)),
+        tuple(zeros(shapes.xmoe) for _ in range(k2)),
+        prelude_buffer(platform),
+    )
+    return Loop(fn, state, (mailboxes, blocks, *pool.weights))
 
 
 def _run_once(fn, args) -> float:
@@ -179,18 +266,27 @@ def time_backend(
     *,
     step=None,
     profile_single: bool = True,
+    buffers: str = "donated",
 ) -> Timing:
     """`step`: the jitted call to chain (default consumer_step(backend, config); a variant of a
-    backend's kernel, say); `backend` then only names the chains."""
+    backend's kernel, say); `backend` then only names the chains. `buffers`: the chain's form
+    (BUFFERS)."""
+    if buffers not in BUFFERS:
+        raise ValueError(f"buffers: expected one of {BUFFERS}, got {buffers!r}")
     step = step or consumer_step(backend, config)
-    fn1 = consumer_chain(step, k1, f"chain_{backend}_T{config.T}_K{k1}")
-    fn2 = consumer_chain(step, k2, f"chain_{backend}_T{config.T}_K{k2}")
-    us, m1, m2, noise = slope(fn1, fn2, pool.args, k1, k2, reps)
-    timing = Timing(us, k1, k2, reps, pool.n_sets, m1, m2, noise)
+    name = f"chain_{backend}_T{config.T}_{buffers}_K"
+    platform = jax.default_backend()
+    if buffers == "donated":
+        fn1, fn2 = (donated_loop(donated_chain(step, k, f"{name}{k}"), step, pool, k2, platform) for k in (k1, k2))
+        args_of, n_sets = (lambda i: ()), k2
+    else:
+        fn1, fn2 = (rotated_loop(consumer_chain(step, k, f"{name}{k}"), platform) for k in (k1, k2))
+        args_of, n_sets = pool.args, pool.n_sets
+    us, m1, m2, noise = slope(fn1, fn2, args_of, k1, k2, reps)
+    timing = Timing(us, k1, k2, reps, n_sets, m1, m2, noise, buffers=buffers)
     if profile:
-        (timing.us_profiler, timing.profiler_note, timing.us_profiler_kernels, timing.us_profiler_busy) = (
-            profiled_us_per_call(fn2, pool.args, k2)
-        )
+        profiled = profiled_slope(fn1, fn2, args_of, k1, k2)
+        timing.us_profiler, timing.profiler_note, timing.us_profiler_kernels, timing.us_profiler_busy = profiled
         if profile_single:
             timing.us_profiler_single, timing.profiler_single_note, _, _ = profiled_single_us(step, pool)
     return timing
@@ -277,6 +373,20 @@ def profiled_us(run, calls_per_run: int, runs: int = 3) -> Profile:
 def profiled_us_per_call(fn, args_of, k: int, executions: int = 3) -> Profile:
     """Kernel time per call of a k-call chain executable."""
     return profiled_us(lambda i: fn(*args_of(i)), k, executions)
+
+
+def profiled_slope(fn1, fn2, args_of, k1: int, k2: int, executions: int = 3) -> Profile:
+    """Device time per call as the difference of two chains' profiles over (K2 - K1): what runs
+    once per execution (the prelude, a copy of an argument) cancels, as in the wall-time slope."""
+    p1 = profiled_us(lambda i: fn1(*args_of(i)), 1, executions)
+    p2 = profiled_us(lambda i: fn2(*args_of(i)), 1, executions)
+    if p1[0] is None or p2[0] is None:
+        return None, p2[1] if p2[0] is None else p1[1], None, None
+    per_call = [
+        None if a is None or b is None else (b - a) / (k2 - k1) for a, b in zip(p1, p2) if not isinstance(a, str)
+    ]
+    note = f"difference of the K{k2} and K{k1} chains' profiles over {k2 - k1}; K{k2}: {p2[1]}"
+    return per_call[0], note, per_call[1], per_call[2]
 
 
 def profiled_single_us(step, pool: bench_inputs.DevicePool, calls: int = 8) -> Profile:
@@ -368,3 +478,10 @@ def copy_bandwidth(platform: str, reps: int, profile: bool, kinds=("d2d", "xor")
 
 def l2_bytes(platform: str) -> int:
     return H200_L2_BYTES if platform == "gpu" else CPU_CACHE_BYTES
+
+
+def prelude_bytes(platform: str) -> int:
+    """The chains' prelude buffer (_prelude): twice the L2 and, on a GPU, >= 2 GiB, a pass of
+    ~1 ms on the H200, longer than the host's work after it launches an execution (~0.5 ms for
+    the chains here)."""
+    return max(2 * l2_bytes(platform), 2 * 2**30 if platform == "gpu" else 0)

@@ -103,6 +103,14 @@ def _name(launch: launch_plan.Launch) -> str:
     return f"oproj_consumer_triton_{launch.kernel}"
 
 
+def _jax_triton_options(launch: launch_plan.Launch) -> dict:
+    """launch.options() less the register cap: jax-triton 0.3.1 has no maxnreg option, so its
+    lowerings compile a capped variant uncapped (the same code and bits; fewer programs per SM)."""
+    options = launch.options()
+    options.pop("maxnreg", None)
+    return options
+
+
 def _via_triton_call(launch: launch_plan.Launch, arrays, out_shape, aliases, zeroed, compute_capability):
     """jax_triton.triton_call: its custom call "triton_kernel_call" (a legacy custom call)."""
     from jax_triton import triton_call
@@ -118,7 +126,7 @@ def _via_triton_call(launch: launch_plan.Launch, arrays, out_shape, aliases, zer
         input_output_aliases=aliases,
         zeroed_outputs=zeroed,
         compute_capability=compute_capability,
-        **launch.options(),
+        **_jax_triton_options(launch),
         **dict(launch.constexprs),
     )
 
@@ -144,7 +152,7 @@ def _via_ffi(launch: launch_plan.Launch, arrays, out_shape, aliases, zeroed, com
         compute_capability=compute_capability or gpu_triton.get_compute_capability(0),
         metaparams=dict(launch.constexprs),
         dump=False,
-        **launch.options(),
+        **_jax_triton_options(launch),
     )
     # Every buffer 16-byte aligned, as triton_call assumes (the kernel is specialized on it); the
     # kernel call zeroes the `zeroed` outputs (a memset on the stream before the launch).

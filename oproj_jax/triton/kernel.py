@@ -511,9 +511,10 @@ def sync_kernel(
     SPAN: tl.constexpr,
     POLLS: tl.constexpr,
     PHASE: tl.constexpr,
+    RELOAD: tl.constexpr,
 ):
     """Grid (C, T): chunk c of token t, its blocks as a [ROWS, BLOCK] tile and its new prefix p
-    held in registers throughout. `stats` holds a record of 2 * ROWS + 3 f32 lanes per chunk:
+    held in registers throughout (RELOAD: the blocks read again after barrier 1 instead). `stats` holds a record of 2 * ROWS + 3 f32 lanes per chunk:
     the blocks' dots b_j.w (lanes j) and squares b_j.b_j (ROWS + j), p.w and p.p (2 * ROWS,
     2 * ROWS + 1), y.y (2 * ROWS + 2), over the chunk's columns; `arrivals` ([T, 2] int32) the
     two barriers' arrival counters, zero at launch. The weights need every chunk's dots and
@@ -558,6 +559,11 @@ def sync_kernel(
             y = p  # one source: its weight is exactly 1 (docs/spec.md)
         else:
             alpha, alpha_p = _sync_weights(stats, t, NB, H, EPS, ROWS, CHUNKS, SPAN, RECORD)
+            if RELOAD:
+                # The same bits again, from L1 or L2 where the first read left them: the tile is not
+                # held across the barrier, so a thread needs fewer registers and more programs
+                # share an SM (the occupancy a memory-bound launch of many tokens lacks).
+                b = _widen(tl.load(rows, mask=(j[:, None] < NB) & mask[None, :], other=0.0))
             y = tl.sum(alpha[:, None] * b, axis=0) + alpha_p * p  # padding rows: 0 times a zero row
     if PHASE == 0 or PHASE == 2:
         tl.store(record + 2 * ROWS + 2, tl.sum(y * y, axis=0))

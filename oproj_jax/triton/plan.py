@@ -25,6 +25,10 @@ Variants (kernel.py has the kernels), named kind-columns-warps:
                   variant past either bound.
                   Triton's interpreter runs it as three launches, the stretches between the
                   barriers.
+  sync-*-reload   the same, but the blocks are read again after the first barrier (from L1 or
+                  L2, where the first read left them) instead of held in registers across it:
+                  fewer registers a thread, more programs per SM.
+  *-r64           compiled with a cap of 64 registers a thread (ptxas .maxnreg), for occupancy.
 """
 
 from __future__ import annotations
@@ -59,10 +63,14 @@ class Variant:
     block: int  # split, sync: columns per program; otherwise 0 (the whole row)
     sub: int  # tile, split: columns per [SOURCES, sub] tile; sync: unused (= block); row: 0
     num_warps: int
+    reload: bool = False  # sync: the blocks read again after the first barrier, not held in registers
+    max_registers: int | None = None  # a thread's register cap (ptxas .maxnreg): more programs per SM
 
     @property
     def name(self) -> str:
-        return "-".join([self.kind, *(str(n) for n in (self.block or self.sub,) if n), f"w{self.num_warps}"])
+        parts = [self.kind, *(str(n) for n in (self.block or self.sub,) if n), f"w{self.num_warps}"]
+        parts += ["reload"] if self.reload else []
+        return "-".join(parts + ([f"r{self.max_registers}"] if self.max_registers else []))
 
 
 VARIANTS = {
@@ -89,14 +97,26 @@ VARIANTS = {
         Variant("sync", 1024, 1024, 8),
         Variant("sync", 2048, 2048, 8),
         Variant("sync", 2048, 2048, 16),
+        Variant("sync", 512, 512, 2, reload=True),
+        Variant("sync", 512, 512, 4, reload=True),
+        Variant("sync", 1024, 1024, 2, reload=True),
+        Variant("sync", 1024, 1024, 4, reload=True),
+        Variant("sync", 2048, 2048, 4, reload=True),
+        Variant("sync", 2048, 2048, 8, reload=True),
+        # ptxas fits these in 64 registers without spilling (72 and 74 uncapped): 8 programs of 4
+        # warps, or 4 of 8, per SM instead of 7 or 3
+        Variant("sync", 512, 512, 2, reload=True, max_registers=64),
+        Variant("sync", 1024, 1024, 4, reload=True, max_registers=64),
+        Variant("sync", 2048, 2048, 8, reload=True, max_registers=64),
     )
 }
 
 # The default rule: the first (largest T, variant) whose bound holds. Chosen by kernel time on
-# the H200 (benchmarks/triton_gpu.py, every variant at each T; docs/perf.md): up to 64 tokens a
-# token's row split over 28 one-warp programs or 4 programs that meet at barriers (sync), at 512
-# one program per token holding the row in registers (row), above it the row over 7 programs again.
-RULE = ((8, "sync-256-w1"), (64, "sync-2048-w8"), (512, "row-w16"), (math.inf, "sync-1024-w4"))
+# the H200 (benchmarks/triton_gpu.py, every variant at each T; docs/perf.md): a token's row split
+# over programs that meet at barriers (sync): up to 8 tokens 28 one-warp programs, up to 64 4
+# programs of 8 warps, above that 7 programs of 4 warps that read the blocks again after the
+# first barrier, in 64 registers a thread (8 programs per SM: the occupancy that many tokens need).
+RULE = ((8, "sync-256-w1"), (64, "sync-2048-w8"), (math.inf, "sync-1024-w4-reload-r64"))
 WIDE_ROW = "tile-512-w8"  # in place of a row variant where H > ROW_MAX_H
 # in place of RULE's sync variant past its bounds (_sync_limit): a wider one where H has too many
 # chunks for it, else (too many tokens) a row variant
@@ -161,10 +181,12 @@ class Launch:
     grid: tuple[int, ...]
     constexprs: tuple[tuple[str, object], ...]  # sorted (name, value): hashable
     num_warps: int
+    max_registers: int | None = None
 
     def options(self) -> dict:
         """The compile options both launchers pass (their defaults differ otherwise)."""
-        return dict(num_warps=self.num_warps, num_stages=NUM_STAGES, enable_fp_fusion=ENABLE_FP_FUSION)
+        options = dict(num_warps=self.num_warps, num_stages=NUM_STAGES, enable_fp_fusion=ENABLE_FP_FUSION)
+        return options | ({"maxnreg": self.max_registers} if self.max_registers else {})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +228,9 @@ def make(
     shared = dict(NB=NB, H=H)
     sums = dict(shared, R=R, GROUPS=groups, HAS_DELTA=bool(has_delta))
     outs = dict(shared, REPS=xmoe_replicas, EPS=float(eps), OUT_EPS=float(out_eps))
-    launch = lambda kernel, grid, constexprs: Launch(kernel, grid, tuple(sorted(constexprs.items())), chosen.num_warps)
+    launch = lambda kernel, grid, constexprs: Launch(  # noqa: E731
+        kernel, grid, tuple(sorted(constexprs.items())), chosen.num_warps, chosen.max_registers
+    )
     if chosen.kind == "row":
         return Plan(chosen, (launch("row_kernel", (T,), dict(sums, **outs, BLOCK=max(16, _pow2(H)))),), None)
     tiles = dict(SUB=chosen.sub, SOURCES=SOURCES)
@@ -218,7 +242,7 @@ def make(
         # tile); kernel.sync_kernel's record has 2 * rows + 3 lanes
         rows = max(2, _pow2(NB))
         span = dict(BLOCK=chosen.block, ROWS=rows, CHUNKS=chunks, SPAN=_pow2(chunks))
-        whole = dict(sums, **outs, **span, POLLS=SYNC_POLLS, PHASE=0)
+        whole = dict(sums, **outs, **span, POLLS=SYNC_POLLS, PHASE=0, RELOAD=chosen.reload)
         scratch = dict(stats_shape=(T, chunks, 2 * rows + 3), arrivals_shape=(T, 2))
         return Plan(chosen, (launch("sync_kernel", (chunks, T), whole),), **scratch)
     tiles["BLOCK"] = chosen.block
