@@ -62,9 +62,10 @@ def records_from_log(log: str) -> list[dict]:
     """The timings a process logged before it was stopped (it writes its JSON only at the end):
     the slope as logged (0.1 us) and the kernels' busy time (0.01 us), marked
     recovered_from_log. The shape is the bench CLI's default, the only one this script runs."""
-    from oproj_jax import configs
+    from oproj_jax.bench.__main__ import parse_args
 
-    shape = dict(R=configs.TP, NB=8, groups=4, has_delta=True)
+    cli = parse_args([])
+    shape = dict(R=cli.ranks, NB=cli.nb, groups=cli.groups, has_delta=not cli.no_delta)
     return [
         dict(
             kind="timing",

@@ -60,11 +60,12 @@ def parse_args(argv):
         "the others for the default variant (default %(default)s)",
     )
     args = parser.parse_args(argv)
-    args.buffers = tuple(b.strip() for b in args.buffers.split(",") if b.strip())
-    from oproj_jax.bench.timing import BUFFERS
+    from oproj_jax.bench.timing import parse_buffers
 
-    if not args.buffers or set(args.buffers) - set(BUFFERS):
-        parser.error(f"--buffers: expected some of {','.join(BUFFERS)}")
+    try:
+        args.buffers = parse_buffers(args.buffers)
+    except ValueError as err:
+        parser.error(str(err))
     args.tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in args.variants if v not in plan.VARIANTS]
@@ -194,10 +195,11 @@ def time_jax(
         step = jax.jit(functools.partial(backend.launch, **options, variant=variant, lowering=lowering))
         # One profiler trace per T (the default variant's, default lowering): a trace costs seconds.
         traced = profile and (variant, lowering) == (default, backend.DEFAULT_LOWERING)
-        step_args = dict(step=step, profile_single=False, buffers=form)
         name = f"triton_{variant}_{lowering}".replace("-", "_")
         try:
-            t = bench_timing.time_backend(name, pool, config, k1, k2, reps, traced, **step_args)
+            t = bench_timing.time_backend(
+                name, pool, config, k1, k2, reps, traced, step=step, profile_single=False, buffers=form
+            )
         except Exception as err:
             records.append(_error(what, err, variant=variant, T=config.T, lowering=lowering))
             continue

@@ -120,10 +120,12 @@ def parse_args(argv):
     unknown = set(args.mailboxes.split(",")) - set(MAILBOXES)
     if unknown:
         parser.error(f"--mailboxes: expected some of {','.join(MAILBOXES)}, got {args.mailboxes!r}")
-    from oproj_jax.bench.timing import BUFFERS
+    from oproj_jax.bench.timing import parse_buffers
 
-    if not args.buffers or set(args.buffers.split(",")) - set(BUFFERS):
-        parser.error(f"--buffers: expected some of {','.join(BUFFERS)}, got {args.buffers!r}")
+    try:
+        args.buffers = parse_buffers(args.buffers)
+    except ValueError as err:
+        parser.error(str(err))
     if args.reps is not None and args.reps < 1:
         parser.error(f"--reps: expected >= 1, got {args.reps}")
     return args
@@ -221,7 +223,7 @@ def main(argv=None) -> int:
             records += runner.run_checks(wanted, bench_configs, cases)
         records.append(runner.run_copy(platform, reps, profile))
         records += runner.run_timings(
-            wanted, bench_configs, cases, platform, reps, profile, l2_warm=args.l2_warm, buffers=args.buffers.split(",")
+            wanted, bench_configs, cases, platform, reps, profile, l2_warm=args.l2_warm, buffers=args.buffers
         )
     finally:
         cases.close()

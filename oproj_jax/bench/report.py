@@ -5,7 +5,7 @@ Record kinds (one list, written as JSON):
   copy    : {"kind": "copy", "us", "gbps", "bytes", "method", "device", "date", ...}
   timing  : {"kind": "timing", "backend", "buffers", "T", "R", "NB", "groups", "has_delta", "us", "device",
              "date", "bytes", "gbps", "pct_roofline", "speedup_vs_reference", "method",
-             "us_profiler", "us_kernels" (the profiler's time less memcpy events), ...}
+             "us_profiler", "us_kernels" (the kernels' busy time per call from the profiler), ...}
   check   : {"kind": "check", "backend", "config", "prefix_mismatch", "out_rel_l2", "ok", ...}
   skipped : {"kind": "skipped", "backend", "reason", ...}
 """

@@ -187,7 +187,7 @@ def _timing_record(name: str, config: configs.Config, t) -> dict:
     return dict(
         kind="timing",
         backend=name,
-        buffers=t.buffers if t.method_text is None else None,
+        buffers=t.buffers,
         **bench_timing.shape_fields(config),
         config=config.name,
         us=t.us,
@@ -207,7 +207,6 @@ def _timing_record(name: str, config: configs.Config, t) -> dict:
         # (griddepcontrol.wait), so summed durations count the wait as kernel time
         us_kernels=t.us_profiler_busy if t.us_profiler_busy is not None else t.us_profiler_kernels,
         us_kernels_summed=t.us_profiler_kernels,
-        us_busy=t.us_profiler_busy,
         profiler_note=t.profiler_note,
         us_profiler_single=t.us_profiler_single,
         profiler_single_note=t.profiler_single_note,
@@ -221,7 +220,7 @@ def _log_timing(name: str, config: configs.Config, t) -> None:
         kernels += f", busy {t.us_profiler_busy:.2f}" if t.us_profiler_busy is not None else ""
         profiler = f"  (profiler {t.us_profiler:.1f}{kernels})"
     log(
-        f"time T={config.T:5d} {name:10s} {'' if t.method_text else t.buffers:8s} {t.us:9.1f} us/call"
+        f"time T={config.T:5d} {name:10s} {t.buffers or '':8s} {t.us:9.1f} us/call"
         + profiler
         + (f"  (1-call jit profiler {t.us_profiler_single:.1f})" if t.us_profiler_single is not None else "")
         + f"  [t(K1)={t.t_k1_us:.0f} t(K2)={t.t_k2_us:.0f} us, noise ~{t.noise_us:.1f} us/call]"

@@ -44,6 +44,16 @@ from oproj_jax.bench import inputs as bench_inputs
 
 EPS = 1e-6
 BUFFERS = ("donated", "rotated")
+
+
+def parse_buffers(text: str) -> tuple[str, ...]:
+    """--buffers "donated,rotated" -> ("donated", "rotated"); a ValueError naming what is known."""
+    forms = tuple(b.strip() for b in text.split(",") if b.strip())
+    if not forms or set(forms) - set(BUFFERS):
+        raise ValueError(f"--buffers: expected some of {','.join(BUFFERS)}, got {text!r}")
+    return forms
+
+
 H200_L2_BYTES = 50 * 2**20  # H200 L2 cache (50 MB)
 CPU_CACHE_BYTES = 32 * 2**20  # a generous last-level cache for the CPU runs
 
@@ -69,7 +79,7 @@ class Timing:
     us_profiler_single: float | None = None  # kernel time per call of the one-call executable
     profiler_single_note: str | None = None
     method_text: str | None = None  # set by timers that measure differently (torch: CUDA graphs)
-    buffers: str = "rotated"  # the chain's form (BUFFERS)
+    buffers: str | None = None  # the chain's form (BUFFERS); None: not a chain (method_text says what)
 
     @property
     def method(self) -> str:
@@ -378,15 +388,13 @@ def profiled_us_per_call(fn, args_of, k: int, executions: int = 3) -> Profile:
 def profiled_slope(fn1, fn2, args_of, k1: int, k2: int, executions: int = 3) -> Profile:
     """Device time per call as the difference of two chains' profiles over (K2 - K1): what runs
     once per execution (the prelude, a copy of an argument) cancels, as in the wall-time slope."""
-    p1 = profiled_us(lambda i: fn1(*args_of(i)), 1, executions)
-    p2 = profiled_us(lambda i: fn2(*args_of(i)), 1, executions)
-    if p1[0] is None or p2[0] is None:
-        return None, p2[1] if p2[0] is None else p1[1], None, None
-    per_call = [
-        None if a is None or b is None else (b - a) / (k2 - k1) for a, b in zip(p1, p2) if not isinstance(a, str)
-    ]
-    note = f"difference of the K{k2} and K{k1} chains' profiles over {k2 - k1}; K{k2}: {p2[1]}"
-    return per_call[0], note, per_call[1], per_call[2]
+    total1, note1, kernels1, busy1 = profiled_us(lambda i: fn1(*args_of(i)), 1, executions)
+    total2, note2, kernels2, busy2 = profiled_us(lambda i: fn2(*args_of(i)), 1, executions)
+    if total1 is None or total2 is None:
+        return None, note1 if total1 is None else note2, None, None
+    per_call = lambda a, b: None if a is None or b is None else (b - a) / (k2 - k1)  # noqa: E731
+    note = f"difference of the K{k2} and K{k1} chains' profiles over {k2 - k1}; K{k2}: {note2}"
+    return per_call(total1, total2), note, per_call(kernels1, kernels2), per_call(busy1, busy2)
 
 
 def profiled_single_us(step, pool: bench_inputs.DevicePool, calls: int = 8) -> Profile:

@@ -485,6 +485,13 @@ def _sync_weights(
 
 
 @triton.jit
+def _block_tile(blocks, t, j, offs, mask, NB: tl.constexpr, H: tl.constexpr):
+    """Token t's blocks over columns `offs` as a [ROWS, BLOCK] f32 tile (rows j >= NB zero)."""
+    rows = blocks + (t * NB + j[:, None]) * H + offs[None, :]
+    return _widen(tl.load(rows, mask=(j[:, None] < NB) & mask[None, :], other=0.0))
+
+
+@triton.jit
 def sync_kernel(
     mailbox,
     prefix_in,
@@ -514,8 +521,8 @@ def sync_kernel(
     RELOAD: tl.constexpr,
 ):
     """Grid (C, T): chunk c of token t, its blocks as a [ROWS, BLOCK] tile and its new prefix p
-    held in registers throughout (RELOAD: the blocks read again after barrier 1 instead). `stats` holds a record of 2 * ROWS + 3 f32 lanes per chunk:
-    the blocks' dots b_j.w (lanes j) and squares b_j.b_j (ROWS + j), p.w and p.p (2 * ROWS,
+    held in registers throughout (RELOAD: the blocks read again after barrier 1 instead).
+    `stats` holds a record of 2 * ROWS + 3 f32 lanes per chunk: the blocks' dots b_j.w (lanes j) and squares b_j.b_j (ROWS + j), p.w and p.p (2 * ROWS,
     2 * ROWS + 1), y.y (2 * ROWS + 2), over the chunk's columns; `arrivals` ([T, 2] int32) the
     two barriers' arrival counters, zero at launch. The weights need every chunk's dots and
     squares (barrier 1), the output scale every chunk's y.y (barrier 2).
@@ -532,8 +539,7 @@ def sync_kernel(
     mask = offs < H
     j = tl.arange(0, ROWS)
     record = stats + (t * CHUNKS + c) * RECORD
-    rows = blocks + (t * NB + j[:, None]) * H + offs[None, :]
-    b = _widen(tl.load(rows, mask=(j[:, None] < NB) & mask[None, :], other=0.0))
+    b = _block_tile(blocks, t, j, offs, mask, NB, H)
     if PHASE <= 1:
         p_bits = _new_prefix(mailbox, prefix_in, t, T, offs, mask, R, H, GROUPS, HAS_DELTA)
         tl.store(prefix_out + t * H + offs, _as_bf16(p_bits), mask=mask)
@@ -563,7 +569,7 @@ def sync_kernel(
                 # The same bits again, from L1 or L2 where the first read left them: the tile is not
                 # held across the barrier, so a thread needs fewer registers and more programs
                 # share an SM (the occupancy a memory-bound launch of many tokens lacks).
-                b = _widen(tl.load(rows, mask=(j[:, None] < NB) & mask[None, :], other=0.0))
+                b = _block_tile(blocks, t, j, offs, mask, NB, H)
             y = tl.sum(alpha[:, None] * b, axis=0) + alpha_p * p  # padding rows: 0 times a zero row
     if PHASE == 0 or PHASE == 2:
         tl.store(record + 2 * ROWS + 2, tl.sum(y * y, axis=0))
