@@ -4,8 +4,10 @@
 #            tests (every prebuilt cubin of the family, the contract, autodiff, backend choice)
 #            || with `sanitize` compute-sanitizer (benchmarks/sanitize.sh; after kernel changes)
 #            || with `ipc` the cross-process peer-memory probe (benchmarks/ipc_probe.py), in parallel
-#   record   the benchmark of record on GPU 0 (benchmarks/record.py: cute's and pallas's chain
-#            slopes in both forms in 3 processes, median; the decode step)
+#   record   the benchmark of record on GPU 0 (benchmarks/record.py: the chain slopes of
+#            $RECORD_BACKENDS (default cute,pallas) in both forms in 3 processes, median; cute's
+#            decode step in 3 processes, median)
+#   pdl-ab   programmatic dependent launch on and off, one process (benchmarks/pdl_ab.py)
 #   tp       the TP step on 2 GPUs (benchmarks/record.py --tp 2: every mode x backend, 3
 #            processes, median)
 #   tpproc   the TP step on 2 GPUs driven by 2 processes (jax.distributed, one GPU each; mode="peer"
@@ -58,9 +60,15 @@ if has checks; then
 fi
 if has record; then
   # the first process times both forms with the profiler (~110 s), the others the donated form
-  stage record 480 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/record.py --out-dir "$out" \
-    --backends cute,pallas --tokens 1,8,64,512,4096 --reps 30 --decode-tokens 1,64 --timeout 150
+  stage record 540 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/record.py --out-dir "$out" \
+    --backends "${RECORD_BACKENDS:-cute,pallas}" --tokens 1,8,64,512,4096 --reps 30 --decode-tokens 1,64 \
+    --decode-backends cute --timeout 150
   tail -n 30 "$out/record.txt"
+fi
+if has pdl-ab; then
+  stage pdl-ab 420 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/pdl_ab.py --out "$out" --tokens 1,8,64 \
+    --rounds 3 --budget 330
+  grep -E "^T=.*us  \[" "$out/pdl-ab.txt"
 fi
 if has tp && [ "$gpus" -ge 2 ]; then
   stage tp 270 python3 benchmarks/record.py --out-dir "$out" --tp 2 --tokens 1,8,64 --reps 15 --name tp2 \

@@ -143,6 +143,26 @@ def merge(runs: list[list[dict]]) -> list[dict]:
     return merged
 
 
+def merge_decode(runs: list[list[dict]]) -> list[dict]:
+    """One decode-step record per (backend, mailbox form, loop, T): the medians over the
+    processes of the step time with and without the consumer and of the consumer's share per
+    layer, every process's value kept (`*_processes`)."""
+    by_key: dict[tuple, list[dict]] = {}
+    for records in runs:
+        for r in records:
+            if r.get("kind") == "decode_step":
+                by_key.setdefault((r["backend"], r["mailbox"], r["loop"], r["T"]), []).append(r)
+    merged = []
+    for rs in by_key.values():
+        out = {k: v for k, v in rs[0].items() if not k.endswith("_runs")}
+        for name in ("us_step", "us_step_without_consumer", "us_consumer_per_layer"):
+            out[name] = statistics.median(r[name] for r in rs)
+            out[f"{name}_processes"] = [r[name] for r in rs]
+        out.update(record=True, method=f"median over {len(rs)} processes of: {rs[0]['method']}")
+        merged.append(out)
+    return merged
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", required=True)
@@ -157,6 +177,8 @@ def main(argv=None) -> int:
         "the first form in the others",
     )
     parser.add_argument("--decode-tokens", default="1,64")
+    parser.add_argument("--decode-backends", default=None, help="the decode step's backends (default: --backends)")
+    parser.add_argument("--decode-processes", type=int, default=3, help="processes timing the decode step")
     parser.add_argument("--timeout", type=float, default=200.0, help="seconds per process")
     parser.add_argument("--name", default="record", help="file name suffix: <date>-<device>-<name>.json")
     parser.add_argument("--tp", type=int, default=0, help="time the TP step on this many GPUs instead")
@@ -192,24 +214,20 @@ def main(argv=None) -> int:
         runs.append(records)
         logs[f"process {i}"] = log[-6000:]
         print(f"process {i}: {sum(r.get('kind') == 'timing' for r in records)} timings", flush=True)
-    decode, log = (
-        ([], "")
-        if not args.decode_tokens
-        else bench(
-            ["--decode-step", "--backends", args.backends, "--tokens", args.decode_tokens, "--reps", "30"], args.timeout
-        )
-    )
-    logs["decode step"] = log[-6000:]
-    for r in decode:
-        if r.get("kind") == "decode_step":
-            r["record"] = True
+    decode_runs = []
+    for i in range(args.decode_processes if args.decode_tokens else 0):
+        decode_args = ["--decode-step", "--backends", args.decode_backends or args.backends]
+        records, log = bench([*decode_args, "--tokens", args.decode_tokens, "--reps", "30"], args.timeout)
+        decode_runs.append(records)
+        logs[f"decode step {i}"] = log[-6000:]
+    decode = merge_decode(decode_runs)
     header = next((r for rs in runs for r in rs if r.get("kind") == "header"), None) or dict(
         kind="header", device=next((r.get("device") for rs in runs for r in rs if r.get("device")), "gpu")
     )
     records = [
         header,
         *merge(runs),
-        *(r for r in decode if r.get("kind") == "decode_step"),
+        *decode,
         *(r for rs in runs for r in rs if r.get("kind") in ("error", "copy")),
     ]
     device = "".join(c if c.isalnum() else "-" for c in str(header.get("device", "gpu")).lower()).strip("-")

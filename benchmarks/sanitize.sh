@@ -8,7 +8,8 @@
 #   peer publish + consumer  tests/test_peer_gpu.py::test_peer_bits_equal_oneshot (2 GPUs or more)
 #   triton sync           tests/test_triton_gpu.py, the sync kernel's launches from JAX and PyTorch
 #                         (its barriers: counters, polls, records), a CUDA graph replay, a
-#                         jitted call through the package's launch target (graph node)
+#                         jitted call through the package's launch target (graph node), PDL
+#                         launches on counters kept from call to call
 # One process per tool (memcheck, racecheck, synccheck, initcheck) and per group (the cute and
 # Pallas kernels; the Triton sync kernel), the eight in parallel, each
 # bounded in time; memcheck, racecheck and synccheck instrument only our kernels (--kernel-name,
@@ -56,6 +57,7 @@ triton_tests=(
   "tests/test_triton_gpu.py::test_jax_and_torch_launches_agree_with_each_other_and_the_oracle[R16-T64-NB8-G4-sync-1024-w4-reload-r64]"
   "tests/test_triton_gpu.py::test_donated_prefix_is_updated_in_place[sync-2048-w8-64-library]"
   "tests/test_triton_gpu.py::test_donated_prefix_is_updated_in_place[None-80-library]"
+  "tests/test_triton_gpu.py::test_kept_counters_and_pdl_give_the_bits_of_zeroed_counters[8]"
 )
 # cute consumer and publish kernels: "..._oproj_jaxcutekernelOprojConsumer_..." and
 # "..._oproj_jaxcutepublishPublish_..."; the Pallas kernel: pallas/consumer.py KERNEL_NAME

@@ -298,6 +298,21 @@ def test_record_recovers_the_timings_a_stopped_process_logged(capsys):
     assert merged["us_rotated"] == 13.2
 
 
+def test_record_takes_the_median_decode_step_over_processes():
+    record = benchmark_script("record")
+    step = lambda us, without, backend="cute": dict(  # noqa: E731
+        kind="decode_step", backend=backend, loop="scan", mailbox="carried", T=1, us_step=us,
+        us_step_without_consumer=without, us_consumer_per_layer=(us - without) / 16, us_step_runs=[us],
+        method="m",
+    )  # fmt: skip
+    runs = [[step(200.0, 120.0), step(300.0, 100.0, "pallas")], [step(216.0, 120.0)], [step(184.0, 104.0)]]
+    cute, pallas = record.merge_decode(runs)
+    assert cute["us_step"] == 200.0 and cute["us_step_processes"] == [200.0, 216.0, 184.0]
+    assert cute["us_consumer_per_layer"] == 5.0 and cute["us_consumer_per_layer_processes"] == [5.0, 6.0, 5.0]
+    assert cute["record"] is True and "us_step_runs" not in cute and "median over 3 processes" in cute["method"]
+    assert pallas["us_step"] == 300.0 and pallas["us_step_processes"] == [300.0]
+
+
 def test_busy_time_counts_overlapping_kernels_once():
     # [0, 3000) and [2000, 5000) ns overlap by 1 us (a PDL launch waiting on its predecessor);
     # a gap [5000, 6000) is idle; [6000, 7000) and the nested [6200, 6500) add 1 us

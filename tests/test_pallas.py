@@ -146,6 +146,30 @@ def test_lowers_for_cuda_with_the_named_kernel_and_the_prefix_as_an_output(split
     assert f"-> (tensor<3x{row}>, tensor<3x{row}>, tensor<1x3x{row}>)" in text
 
 
+@pytest.mark.parametrize("pdl", [False, True])
+def test_pdl_reaches_the_lowered_module(pdl):
+    """pdl=True: the kernel's module asks for a programmatic dependent launch (Mosaic GPU's
+    uses_pdl) and waits for the grid ahead (griddepcontrol); the default call on a GPU takes PDL."""
+    config = configs.Config(16, 3, 8, xmoe_replicas=1)
+
+    def fn(*args):
+        options = dict(eps=1e-6, out_eps=1e-6, **config.options())
+        return pallas_consumer.consumer_with(*args, **options, ring=4, split=7, batch=16, pdl=pdl)
+
+    text = _lower_for_h200(fn, config)
+    assert ("mosaic_gpu.uses_pdl" in text) == pdl and ("griddepcontrol.wait" in text) == pdl
+    assert pallas_consumer.PDL
+    default = _lower_for_h200(lambda *args: oproj_jax.consumer(*args, backend="pallas"), config)
+    assert "mosaic_gpu.uses_pdl" in default
+
+
+def test_pdl_is_refused_in_interpret_mode():
+    config = configs.Config(4, 2, 2)
+    arrays = configs.make_inputs(config, 0)
+    with pytest.raises(ValueError, match="pdl: programmatic dependent launch is for the GPU"):
+        pallas_consumer.consumer_with(*(arrays[k] for k in ARGS), ring=2, split=1, pdl=True, interpret=True)
+
+
 def test_default_choice_lowers_for_cuda():
     # Off the interpreter the measured choice: the 7-CTA cluster up to T=64, then one CTA per
     # token with a 2-slot ring; the interpreter has no cluster memory.

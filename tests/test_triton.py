@@ -296,18 +296,39 @@ def test_register_cap_reaches_ptxas(tmp_path, monkeypatch):
 
 
 def test_sync_kernel_barriers_as_compiled(tmp_path, monkeypatch):
-    """The sync kernel's two barriers in the PTX: one thread of a program counts it in (acq_rel)
-    and polls (acquire), both predicated, at GPU scope; the poll bound ends in a trap. Its
-    stages (the interpreter's launches) have no barrier."""
+    """The sync kernel's two barriers in the PTX: one thread of a program counts it in (acq_rel),
+    the last arrival sets the counter back to zero (release) and the others poll (acquire), all
+    predicated, at GPU scope; a counter that was not zero at launch and the poll bound end in a
+    trap. Its stages (the interpreter's launches) have no barrier."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     whole = PLANS["T1-sync"]
     ptx = _compile_sm90(whole.launches[0]).asm["ptx"]
     assert len(re.findall(r"@%p\d+ atom\.global\.gpu\.acq_rel\.add\.u32", ptx)) == 2, "the arrivals"
+    assert len(re.findall(r"@%p\d+ atom\.global\.gpu\.release\.exch\.b32", ptx)) == 2, "the resets"
     # Triton emits the polls (atomic adds of 0) as acquire loads.
     assert len(re.findall(r"@%p\d+ ld\.global\.gpu\.acquire\.b32", ptx)) == 2, "the polls"
-    assert ptx.count("trap;") == 2 and "ld.global.cg" in ptx
+    assert ptx.count("trap;") == 4 and "ld.global.cg" in ptx
+    assert "griddepcontrol" not in ptx, "a launch without PDL"
     for stage in whole.stages():
         assert "atom." not in _compile_sm90(stage).asm["ptx"], dict(stage.constexprs)["PHASE"]
+
+
+def test_sync_kernel_with_pdl_waits_before_reading(tmp_path, monkeypatch):
+    """pdl=True: the launch asks for programmatic dependent launch (Triton's launch_pdl) and the
+    kernel's first instructions wait for the grid ahead (griddepcontrol.wait), before any load;
+    the interpreter's stages never use it."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    with_pdl = plan.make(16, 1, 8, 7168, **PRODUCTION, variant="sync-256-w4", pdl=True)
+    (launch,) = with_pdl.launches
+    assert launch.pdl and launch.options()["launch_pdl"] is True and dict(launch.constexprs)["PDL"] is True
+    compiled = _compile_sm90(launch)
+    assert compiled.metadata.launch_pdl
+    body = compiled.asm["ptx"].split(".entry sync_kernel", 1)[1]
+    wait = body.index("griddepcontrol.wait")
+    assert wait < body.index("ld.global") and wait < body.index("griddepcontrol.launch_dependents")
+    assert all(not s.pdl and dict(s.constexprs)["PDL"] is False for s in with_pdl.stages())
+    row = plan.make(16, 1, 8, 7168, **PRODUCTION, variant="row-w16", pdl=True).launches[0]
+    assert not row.pdl and "launch_pdl" not in row.options(), "only the sync kernel waits for the grid ahead"
 
 
 # ---- the JAX call, lowered for CUDA -----------------------------------------------------------
@@ -448,7 +469,8 @@ def test_library_lowering_names_a_stored_cubin_and_its_parameters(library_cache,
     """lowering="library": each launch a call of the package's target (traced above
     library.RECORD_MAX_T tokens) naming a cubin stored under its sha256, the kernel's pointers
     in Triton's order (operands, results, then Triton's two null scratch pointers), the launch
-    shape of the plan; the sync counters start from a zeros operand aliased to them."""
+    shape of the plan; the sync counters start from a zeros operand aliased to them; the sync
+    kernel launched with PDL."""
     text = _lowered(variant, T, lowering="library")
     calls = LIBRARY_CALL.findall(text)
     launches = plan.make(16, T, 8, 7168, **PRODUCTION, variant=variant).launches
@@ -471,6 +493,8 @@ def test_library_lowering_names_a_stored_cubin_and_its_parameters(library_cache,
         assert params[:n_arrays] == list(range(n_arrays)) and params[-2:] == [-1, -1], params
         results = params[n_arrays:-2]
         assert results == list(range(n_in, n_in + len(results))), params
+        # PDL (sm_90 here) for the sync kernel, the one that waits for the grid ahead
+        assert re.search(r"\bpdl = (true|false)", config).group(1) == ("true" if zeroed else "false")
         if zeroed:  # the counters: the last result, read in place from the zeros operand
             assert dense("inplace") == [n_arrays, len(results) - 1]
             assert f"output_tuple_indices = [{len(results) - 1}], operand_index = {n_arrays}," in text
@@ -628,6 +652,52 @@ def test_torch_entry_names_the_bad_argument(changes, options, error, text):
         torch_launch.consumer(*tensors, **options)
     assert str(info.value).startswith(text), str(info.value)
     assert all(a.equal(b) for a, b in zip(tensors, before)), "the call modified its arguments"
+
+
+BAD_KEPT = [  # (what, the `arrivals` or `pdl` argument made from torch, the message's start)
+    ("arrivals-type", dict(arrivals=lambda torch: [0, 0]), TypeError, "arrivals: expected None or a torch.Tensor"),
+    (
+        "arrivals-dtype",
+        dict(arrivals=lambda torch: torch.zeros((2, 2), dtype=torch.int64)),
+        ValueError,
+        "arrivals: expected a contiguous int32 tensor on cpu",
+    ),
+    (
+        "arrivals-layout",
+        dict(arrivals=lambda torch: torch.zeros((2, 4), dtype=torch.int32)[:, ::2]),
+        ValueError,
+        "arrivals: expected a contiguous int32 tensor",
+    ),
+    (
+        "arrivals-size",
+        dict(arrivals=lambda torch: torch.zeros((1, 2), dtype=torch.int32)),
+        ValueError,
+        "arrivals: expected at least 2 * T = 4 counters",
+    ),
+    ("pdl", dict(pdl=lambda torch: True), ValueError, "pdl: programmatic dependent launch needs a CUDA GPU"),
+]
+
+
+@pytest.mark.parametrize(("made", "error", "text"), [b[1:] for b in BAD_KEPT], ids=[b[0] for b in BAD_KEPT])
+def test_torch_entry_names_a_bad_counter_set_or_pdl(made, error, text):
+    """The caller's arrival counters and the PDL request are checked before anything launches."""
+    torch = pytest.importorskip("torch")
+    from oproj_jax.triton import torch_launch
+
+    tensors = _tensors()
+    before = [t.clone() for t in tensors]
+    with pytest.raises(error) as info:
+        torch_launch.consumer(*tensors, **{name: make(torch) for name, make in made.items()})
+    assert str(info.value).startswith(text), str(info.value)
+    assert all(a.equal(b) for a, b in zip(tensors, before)), "the call modified its arguments"
+
+
+def test_arrival_counters_are_zero_and_sized_for_the_tokens():
+    torch = pytest.importorskip("torch")
+    from oproj_jax.triton import torch_launch
+
+    counters = torch_launch.arrival_counters(5, "cpu")
+    assert counters.shape == (5, 2) and counters.dtype == torch.int32 and not counters.any()
 
 
 def test_torch_entry_refuses_an_old_gpu(monkeypatch):

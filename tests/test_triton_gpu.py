@@ -193,6 +193,49 @@ def test_torch_launch_replays_in_a_cuda_graph(triton_gpu, variant):
         testing.assert_same_bits(torch_ref.to_numpy(a), torch_ref.to_numpy(b), f"{name}: graph replay vs eager")
 
 
+@pytest.mark.parametrize("T", [8, 64, 80])  # the default rule's three sync variants
+def test_kept_counters_and_pdl_give_the_bits_of_zeroed_counters(triton_gpu, T):
+    """Three dependent calls (the prefix threaded through) with one set of arrival counters kept
+    across them and PDL launches, eager and replayed twice from a CUDA graph, give the bits of
+    calls with freshly zeroed counters and no PDL; the counters end at zero."""
+    import torch
+
+    from oproj_jax import torch_ref
+    from oproj_jax.triton import torch_launch
+
+    config = Config(configs.TP, T, 8, xmoe_replicas=1)
+    arrays, options = inputs(config)
+    mailboxes = [torch_ref.from_numpy(configs.make_inputs(config, SEED + k)["mailbox"]).cuda() for k in range(3)]
+    weights = [torch_ref.from_numpy(arrays[k]).cuda() for k in ARGS[2:]]
+    first = torch_ref.from_numpy(arrays["prefix"]).cuda()
+
+    def steps(prefix, **how):
+        outs = []
+        for mailbox in mailboxes:
+            prefix, output, xmoe = torch_launch.consumer(mailbox, prefix, *weights, **EPS, **options, **how)
+            outs += [prefix.clone(), output, xmoe]
+        return outs
+
+    expected = steps(first.clone(), arrivals=None, pdl=False)
+    kept = torch_launch.arrival_counters(T, "cuda")
+    eager = steps(first.clone(), arrivals=kept, pdl=None)
+    prefix = first.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = steps(prefix, arrivals=kept, pdl=None)
+    replays = []
+    for _ in range(2):
+        prefix.copy_(first)
+        graph.replay()
+        replays.append([x.clone() for x in captured])
+    torch.cuda.synchronize()
+    for what, got in [("eager", eager), ("replay 1", replays[0]), ("replay 2", replays[1])]:
+        for k, (a, b) in enumerate(zip(expected, got)):
+            name = f"T={T} seed={SEED} {what}: call {k // 3} {('prefix', 'output', 'xmoe')[k % 3]}"
+            testing.assert_same_bits(torch_ref.to_numpy(b), torch_ref.to_numpy(a), name)
+    assert not kept.any(), f"the counters were left at {kept.cpu().tolist()}"
+
+
 _COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
     import functools, sys
     import jax, numpy as np

@@ -46,6 +46,9 @@ RING_MAX_T = 64  # split == 1: ring=RING up to this many tokens, 2 above (two CT
 PROFILE_RANGES = 32  # in-kernel profiler: named phases (ranges) recorded per warpgroup
 SMEM_LIMIT = 227 * 1024  # sm_90: the most dynamic shared memory one CTA may opt in to
 SMEM_ALIGN = 1024  # Pallas Mosaic GPU starts every scratch buffer on this boundary
+# On the GPU the kernel is launched with programmatic dependent launch: its start (barrier and
+# cluster setup) overlaps the end of the kernel ahead of it in a chain of calls.
+PDL = True
 
 f32, bf16 = jnp.float32, jnp.bfloat16
 
@@ -114,10 +117,12 @@ def _row_layout(C):
     return plgpu.Layout.WG_STRIDED((C, LANES), vec_size=vec)
 
 
-def _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, reps, ring, split, batch=1):
+def _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, reps, ring, split, batch=1, pdl=False):
     """The kernel body and its scratch. `split` CTAs (a cluster) share a token's row of H
     columns; with split > 1 every row of the token stays resident in shared memory and the row
-    reductions are combined across the cluster through distributed shared memory."""
+    reductions are combined across the cluster through distributed shared memory. `pdl`: the
+    kernel is launched with programmatic dependent launch and waits for the grid ahead of it
+    before its first read of global memory."""
     C = H // LANES // split  # [C, 256] columns per CTA
     rows = _rows(R, NB, has_delta)
     ring = len(rows) if split > 1 else min(ring, len(rows))
@@ -156,6 +161,12 @@ def _make_kernel(R, NB, H, eps, out_eps, has_delta, groups, reps, ring, split, b
 
         if split > 1:  # before any copy is issued: its fence would wait for them
             cluster_dots.init(recv, dots_per_round, split)
+        if pdl:
+            # Everything above touches shared memory only, so it overlaps the end of the kernel
+            # ahead on the stream; every global read below waits for that kernel's end (its
+            # writes then visible). The next kernel may launch once all CTAs here have started.
+            plgpu.griddepcontrol_wait()
+            plgpu.griddepcontrol_launch_dependents()
         with jax.named_scope("issue_copies"):
             for j, w in enumerate((norm, query, out_norm) if split == 1 else (norm, query)):
                 plgpu.copy_gmem_to_smem(w.at[c], wts.at[j], wbar.at[j])
@@ -358,10 +369,13 @@ def consumer(mailbox, prefix, blocks, norm, query, out_norm, **options) -> Consu
     R, T, H = mailbox.shape
     interpret = _interpret(mailbox, prefix, blocks)
     tuning = choose_split(T, H, interpret, R=R, NB=blocks.shape[1], has_delta=options["has_delta"])
-    return consumer_with(mailbox, prefix, blocks, norm, query, out_norm, **options, interpret=interpret, **tuning)
+    pdl = PDL and not interpret
+    return consumer_with(
+        mailbox, prefix, blocks, norm, query, out_norm, **options, interpret=interpret, pdl=pdl, **tuning
+    )
 
 
-@functools.partial(jax.jit, static_argnames=(*NAMES, "ring", "split", "batch", "profile_dir", "interpret"))
+@functools.partial(jax.jit, static_argnames=(*NAMES, "ring", "split", "batch", "pdl", "profile_dir", "interpret"))
 def consumer_with(
     mailbox,
     prefix,
@@ -373,14 +387,15 @@ def consumer_with(
     ring: int,
     split: int,
     batch: int = 1,
+    pdl: bool = False,
     profile_dir: str | None = None,
     interpret: bool | None = None,
     **options,
 ) -> ConsumerResult:
     """The kernel with explicit tuning knobs: `split` CTAs per token (a cluster sharing the
     row), `ring` shared-memory row slots per CTA (split == 1; with split > 1 rows are resident),
-    `batch` mailbox rows per TMA copy (split > 1; blocks then come in one copy too).
-    `profile_dir`: Mosaic GPU's in-kernel profiler writes a trace of the kernel's named phases
+    `batch` mailbox rows per TMA copy (split > 1; blocks then come in one copy too), `pdl`
+    programmatic dependent launch (GPU only). `profile_dir`: Mosaic GPU's in-kernel profiler writes a trace of the kernel's named phases
     there (GPU only; benchmarks/pallas_phases.py reads it). `interpret`: Mosaic GPU interpret
     mode; None: unless the enclosing mesh (or JAX's default backend) is a GPU (consumer() decides
     from its arrays' devices). Interpret mode inside a shard_map over several devices raises.
@@ -400,6 +415,8 @@ def consumer_with(
     interpret = _interpret() if interpret is None else bool(interpret)
     if interpret:
         _check_interpretable()
+    if pdl and interpret:
+        raise ValueError("pdl: programmatic dependent launch is for the GPU; interpret mode has none")
     if profile_dir and interpret:
         raise ValueError("profile_dir: Mosaic GPU's in-kernel profiler runs on the GPU only, not in interpret mode")
     if split > 1 and interpret:
@@ -407,7 +424,7 @@ def consumer_with(
             f"split: Mosaic GPU interpret mode has no cluster shared memory; expected split=1, got {split}"
         )
     body, scratch = _make_kernel(
-        R, NB, H, opts.eps, opts.out_eps, opts.has_delta, opts.groups, opts.xmoe_replicas, ring, split, batch=batch
+        R, NB, H, opts.eps, opts.out_eps, opts.has_delta, opts.groups, opts.xmoe_replicas, ring, split, batch, pdl
     )
     xmoe_replicas = opts.xmoe_replicas
     row = (split, C, LANES)  # one row of H, as the CTAs of a token see it

@@ -85,16 +85,36 @@ def consumer(mailbox, prefix, blocks, norm, query, out_norm, **options) -> Consu
 
 
 def launch(
-    mailbox, prefix, blocks, norm, query, out_norm, *, variant=None, compute_capability=None, lowering=None, **options
+    mailbox,
+    prefix,
+    blocks,
+    norm,
+    query,
+    out_norm,
+    *,
+    variant=None,
+    compute_capability=None,
+    lowering=None,
+    pdl=None,
+    **options,
 ) -> ConsumerResult:
     """`consumer`, compiled for `compute_capability` (e.g. 90; None: GPU 0's), each launch lowered
     as `lowering` (LOWERINGS; None: DEFAULT_LOWERING). `variant`: a name of plan.VARIANTS, None
-    for the default rule by T."""
+    for the default rule by T. `pdl`: the sync kernel launched with programmatic dependent
+    launch; None: with lowering "library" on sm_90 or newer (jax-triton's launches have no such
+    option)."""
     lowering = lowering or DEFAULT_LOWERING
     if lowering not in LOWERINGS:
         raise ValueError(f"lowering: expected one of {sorted(LOWERINGS)}, got {lowering!r}")
     R, T, H = mailbox.shape
-    plan = launch_plan.make(R, T, blocks.shape[1], H, **options, variant=variant)
+    can = lowering == "library" and library.capability(compute_capability) >= launch_plan.PDL_MIN_CAPABILITY
+    if pdl and not can:
+        raise ValueError(
+            f"pdl: programmatic dependent launch needs lowering 'library' and compute capability >= "
+            f"{launch_plan.PDL_MIN_CAPABILITY}; got lowering {lowering!r}"
+        )
+    pdl = can if pdl is None else bool(pdl)
+    plan = launch_plan.make(R, T, blocks.shape[1], H, **options, variant=variant, pdl=pdl)
     new_prefix, output, xmoe = _call(plan, compute_capability, lowering)(mailbox, prefix, blocks, norm, query, out_norm)
     return ConsumerResult(new_prefix, output, xmoe if options["xmoe_replicas"] else None)
 

@@ -16,7 +16,7 @@ constexpr. Offsets are int64 (R * T * H overflows int32 at large T).
   split_out_kernel   grid (T, C): adds the chunks' records in chunk order, so every program of a
                      token derives the same weights, then writes its chunk of the output.
   sync_kernel        grid (C, T): C programs per token in one launch, meeting at two barriers
-                     in global memory (arrival counters, zeroed before the launch): after the dot
+                     in global memory (arrival counters, zero at launch and left at zero): after the dot
                      products and squares of their chunks (for the weights), after y.y (for
                      the output scale); each keeps its blocks and prefix in registers.
 
@@ -29,6 +29,7 @@ tests are to hold the bits the GPU gives.
 
 import triton
 import triton.language as tl
+from triton.language.extra import cuda as tl_cuda
 
 
 @triton.jit
@@ -403,26 +404,40 @@ def split_out_kernel(
 # already running or next in line, which holds as long as C programs fit on the GPU at once
 # (plan.SYNC_MAX_CHUNKS keeps C far below that).
 #
-# A barrier counts arrivals on an int32 counter per token (and barrier), zeroed before the launch:
-# a kernel cannot tell its own launch from an earlier one by anything it can read (%gridid, for
-# one, repeats on every replay of a CUDA graph), so a counter or tag left by an earlier launch
-# must not survive into this one.
+# A barrier counts arrivals on an int32 counter per token (and barrier), zero at launch: a kernel
+# cannot tell its own launch from an earlier one by anything it can read (%gridid, for one,
+# repeats on every replay of a CUDA graph), so a count left by an earlier launch must not survive
+# into this one. The last program to arrive sets the counter back to zero, which is also what
+# lets the others go: every launch that runs to its end leaves its counters as it found them, so
+# a caller may keep them from call to call instead of zeroing them before each (a launch that
+# traps ends the CUDA context, and no later launch reads them).
 
 
 @triton.jit
 def _arrive_and_wait(counter, CHUNKS: tl.constexpr, POLLS: tl.constexpr):
     """Counts this program in at `counter` and returns once all CHUNKS programs of the token
-    have; past POLLS polls the kernel traps (a launch error, never silent garbage)."""
+    have; past POLLS polls, or on a counter that was not zero at launch, the kernel traps (a
+    launch error, never silent garbage)."""
     # bar.sync first: the release below then covers every thread's record stores (a barrier
     # orders them before thread 0's atomic; the release is cumulative over them).
     tl.debug_barrier()
     # A scalar atomic runs in one thread of the program, its result broadcast to all.
-    seen = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") + 1
+    before = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if before >= CHUNKS:  # more arrivals than programs: the counter did not start at zero
+        tl.inline_asm_elementwise("trap;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    last = before == CHUNKS - 1
+    if last:
+        # The last arrival acquired every earlier one (each add is in the release sequence its
+        # acquire reads from); its release of zero passes all of them on to the waiting programs.
+        tl.atomic_xchg(counter, 0, sem="release", scope="gpu")
+    # A waiting program's own add made the counter >= 1, so 0 is the last arrival's reset; it
+    # may also still see CHUNKS, the count before the reset.
+    seen = before + 1
     polls = 0
-    while (seen < CHUNKS) & (polls < POLLS):
+    while (seen != 0) & (seen != CHUNKS) & (polls < POLLS):
         seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
         polls += 1
-    if seen < CHUNKS:
+    if (seen != 0) & (seen != CHUNKS):
         tl.inline_asm_elementwise("trap;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
     # The other threads read the records only after thread 0's acquire.
     tl.debug_barrier()
@@ -519,18 +534,27 @@ def sync_kernel(
     POLLS: tl.constexpr,
     PHASE: tl.constexpr,
     RELOAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (C, T): chunk c of token t, its blocks as a [ROWS, BLOCK] tile and its new prefix p
     held in registers throughout (RELOAD: the blocks read again after barrier 1 instead).
     `stats` holds a record of 2 * ROWS + 3 f32 lanes per chunk: the blocks' dots b_j.w (lanes j) and squares b_j.b_j (ROWS + j), p.w and p.p (2 * ROWS,
     2 * ROWS + 1), y.y (2 * ROWS + 2), over the chunk's columns; `arrivals` ([T, 2] int32) the
-    two barriers' arrival counters, zero at launch. The weights need every chunk's dots and
+    two barriers' arrival counters, zero at launch (and at exit). The weights need every chunk's dots and
     squares (barrier 1), the output scale every chunk's y.y (barrier 2).
 
     PHASE 0 runs it all; PHASE 1, 2, 3 are its three stretches between the barriers as three
     launches, for Triton's interpreter (it runs one program after another, so cannot run a
     barrier): 2 and 3 read p back from the stored prefix, 3 recomputes y (the same operations
-    on the same values, so the same bits)."""
+    on the same values, so the same bits). PDL: launched with programmatic dependent launch
+    (sm_90 or newer)."""
+    if PDL:
+        # The grid may start before the kernel ahead of it on the stream has finished; every read
+        # waits for that kernel's end (its writes then visible), so only the launch overlaps. The
+        # next kernel may start as soon as all of this grid's programs are on the GPU: the
+        # barriers never wait for a program that is not.
+        tl_cuda.gdc_wait()
+        tl_cuda.gdc_launch_dependents()
     RECORD: tl.constexpr = 2 * ROWS + 3
     c = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)

@@ -90,8 +90,11 @@ def compile_launch(launch: launch_plan.Launch, pointer_types: tuple[str, ...], c
     return Image(str(path), meta.name, int(meta.shared), 32 * meta.num_warps, extra)
 
 
-def _capability(device) -> int:
-    major, minor = device.compute_capability.split(".")
+def capability(given: int | None) -> int:
+    """`given` (e.g. 90), else the compute capability of GPU 0."""
+    if given:
+        return int(given)
+    major, minor = jax.devices("cuda")[0].compute_capability.split(".")
     return 10 * int(major) + int(minor)
 
 
@@ -100,7 +103,7 @@ def lower(launch: launch_plan.Launch, arrays, out_shape, aliases, zeroed, comput
     results `out_shape` (the first is [T, H] in every launch of plan.py), `aliases` {operand:
     result}; the results in `zeroed` start at zero."""
     ffi.register_targets()
-    cc = compute_capability or _capability(jax.devices("cuda")[0])
+    cc = capability(compute_capability)
     types = tuple(POINTER_TYPES[np.dtype(x.dtype)] for x in (*arrays, *out_shape))
     image = compile_launch(launch, types, cc)
     zeros = [jnp.zeros(out_shape[i].shape, out_shape[i].dtype) for i in zeroed]
@@ -123,4 +126,5 @@ def lower(launch: launch_plan.Launch, arrays, out_shape, aliases, zeroed, comput
         grid=np.array(grid, np.int64),
         params=np.array(params, np.int64),
         inplace=np.array(inplace, np.int64),
+        pdl=bool(launch.pdl),
     )

@@ -29,6 +29,11 @@ Variants (kernel.py has the kernels), named kind-columns-warps:
                   L2, where the first read left them) instead of held in registers across it:
                   fewer registers a thread, more programs per SM.
   *-r64           compiled with a cap of 64 registers a thread (ptxas .maxnreg), for occupancy.
+
+The sync kernel leaves its arrival counters at zero (the last arrival resets them), so a caller
+may keep one set from call to call instead of zeroing it before each launch. On sm_90 and newer
+the launchers start it with programmatic dependent launch (`pdl`): its launch overlaps the end of
+the kernel ahead of it, whose writes it waits for before reading anything.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ NUM_STAGES = 1  # no software-pipelined loops in these kernels
 # carries .rn on every f32 mul/add, so the CUDA driver's JIT (JAX) and ptxas (PyTorch) emit the
 # same arithmetic and the two launches give the same output bits too.
 ENABLE_FP_FUSION = False
+PDL_MIN_CAPABILITY = 90  # griddepcontrol (programmatic dependent launch) is sm_90 PTX
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,11 +188,13 @@ class Launch:
     constexprs: tuple[tuple[str, object], ...]  # sorted (name, value): hashable
     num_warps: int
     max_registers: int | None = None
+    pdl: bool = False  # launched with programmatic dependent launch (the kernel waits: its PDL constexpr)
 
     def options(self) -> dict:
         """The compile options both launchers pass (their defaults differ otherwise)."""
         options = dict(num_warps=self.num_warps, num_stages=NUM_STAGES, enable_fp_fusion=ENABLE_FP_FUSION)
-        return options | ({"maxnreg": self.max_registers} if self.max_registers else {})
+        options |= {"maxnreg": self.max_registers} if self.max_registers else {}
+        return options | ({"launch_pdl": True} if self.pdl else {})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,17 +202,17 @@ class Plan:
     variant: Variant
     launches: tuple[Launch, ...]  # in order; split: the sum kernel, then the output kernel
     stats_shape: tuple[int, ...] | None  # split, sync: the f32 scratch [T, C, record] between the halves
-    arrivals_shape: tuple[int, ...] | None = None  # sync: its barriers' int32 counters [T, 2], zeroed by the launch
+    arrivals_shape: tuple[int, ...] | None = None  # sync: its barriers' int32 counters [T, 2], zero at launch
 
     def stages(self) -> tuple[Launch, ...]:
         """sync: its launch as the stretches between its barriers, one launch each (PHASE 1, 2,
-        3), for Triton's interpreter; otherwise the launches."""
+        3), for Triton's interpreter (no PDL there); otherwise the launches."""
         if self.arrivals_shape is None:
             return self.launches
         (whole,) = self.launches
-        constexprs = dict(whole.constexprs)
+        constexprs = dict(whole.constexprs, PDL=False)
         return tuple(
-            dataclasses.replace(whole, constexprs=tuple(sorted({**constexprs, "PHASE": phase}.items())))
+            dataclasses.replace(whole, constexprs=tuple(sorted({**constexprs, "PHASE": phase}.items())), pdl=False)
             for phase in (1, 2, 3)
         )
 
@@ -222,8 +230,11 @@ def make(
     groups: int,
     xmoe_replicas: int,
     variant: str | None = None,
+    pdl: bool = False,
 ) -> Plan:
-    """The launches of one call (arguments already checked, api.check_arguments)."""
+    """The launches of one call (arguments already checked, api.check_arguments). `pdl`: launch
+    the sync kernel with programmatic dependent launch (only for a GPU of PDL_MIN_CAPABILITY or
+    newer; the other kernels are launched without)."""
     chosen = choose(variant, T, H)
     shared = dict(NB=NB, H=H)
     sums = dict(shared, R=R, GROUPS=groups, HAS_DELTA=bool(has_delta))
@@ -242,9 +253,10 @@ def make(
         # tile); kernel.sync_kernel's record has 2 * rows + 3 lanes
         rows = max(2, _pow2(NB))
         span = dict(BLOCK=chosen.block, ROWS=rows, CHUNKS=chunks, SPAN=_pow2(chunks))
-        whole = dict(sums, **outs, **span, POLLS=SYNC_POLLS, PHASE=0, RELOAD=chosen.reload)
+        whole = dict(sums, **outs, **span, POLLS=SYNC_POLLS, PHASE=0, RELOAD=chosen.reload, PDL=bool(pdl))
         scratch = dict(stats_shape=(T, chunks, 2 * rows + 3), arrivals_shape=(T, 2))
-        return Plan(chosen, (launch("sync_kernel", (chunks, T), whole),), **scratch)
+        sync = dataclasses.replace(launch("sync_kernel", (chunks, T), whole), pdl=bool(pdl))
+        return Plan(chosen, (sync,), **scratch)
     tiles["BLOCK"] = chosen.block
     first = launch("split_sum_kernel", (T, chunks), dict(sums, **tiles))
     second = launch("split_out_kernel", (T, chunks), dict(outs, **tiles, CHUNKS=chunks))

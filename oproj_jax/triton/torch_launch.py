@@ -4,9 +4,19 @@
     prefix, output, xmoe = torch_launch.consumer(mailbox, prefix, blocks, norm, query, out_norm, groups=4)
 
 `prefix` is updated in place (and returned); output and xmoe are new tensors. One launch (row,
-tile and sync variants; sync after zeroing its arrival counters) or two (split variants) on the
-current stream, no host synchronization: the
-call can be captured in a CUDA graph. With TRITON_INTERPRET=1 in the environment before kernel.py is
+tile and sync variants; sync after zeroing its arrival counters unless the caller keeps them,
+`arrivals`) or two (split variants) on the current stream, no host synchronization: the call can
+be captured in a CUDA graph. On sm_90 and newer the sync kernel is launched with programmatic
+dependent launch, so in a CUDA graph of consecutive calls each launch overlaps the end of the one
+before.
+
+A decode loop keeps the counters:
+
+    arrivals = torch_launch.arrival_counters(T, device)   # once; zero, and left at zero by each call
+    for layer in layers:
+        torch_launch.consumer(..., arrivals=arrivals)
+
+One set per stream of calls: two calls that run at the same time must not share one. With TRITON_INTERPRET=1 in the environment before kernel.py is
 imported, the kernels run in Triton's interpreter on CPU tensors (slow; for tests).
 """
 
@@ -58,11 +68,49 @@ def _check_launchable(torch, named: dict) -> None:
         )
 
 
+def arrival_counters(T: int, device):
+    """Arrival counters for calls of up to T tokens on `device`, zero: pass them as `arrivals`
+    to every call of a loop (each call leaves them at zero). One set per stream of calls."""
+    import torch
+
+    return torch.zeros((T, 2), dtype=torch.int32, device=device)
+
+
+def _check_arrivals(torch, arrivals, T: int, device) -> None:
+    if not isinstance(arrivals, torch.Tensor):
+        raise TypeError(f"arrivals: expected None or a torch.Tensor (arrival_counters), got {type(arrivals).__name__}")
+    if arrivals.dtype != torch.int32 or arrivals.device != device or not arrivals.is_contiguous():
+        raise ValueError(
+            f"arrivals: expected a contiguous int32 tensor on {device} (arrival_counters), got "
+            f"{arrivals.dtype} on {arrivals.device}" + ("" if arrivals.is_contiguous() else ", not contiguous")
+        )
+    if arrivals.numel() < 2 * T:
+        raise ValueError(
+            f"arrivals: expected at least 2 * T = {2 * T} counters (arrival_counters(T, device)), got {arrivals.numel()}"
+        )
+
+
 @takes_options()
-def consumer(mailbox, prefix, blocks, norm, query, out_norm, *, variant: str | None = None, **options) -> TorchResult:
+def consumer(
+    mailbox,
+    prefix,
+    blocks,
+    norm,
+    query,
+    out_norm,
+    *,
+    variant: str | None = None,
+    arrivals=None,
+    pdl: bool | None = None,
+    **options,
+) -> TorchResult:
     """The arguments and options of oproj_jax.consumer, as bf16 torch.Tensors (see the module
     docstring). Returns TorchResult(prefix (the argument, updated), output, xmoe or None).
-    `variant`: a name of plan.VARIANTS, None for the default rule (plan.default_variant). Raises
+    `variant`: a name of plan.VARIANTS, None for the default rule (plan.default_variant).
+    `arrivals`: the sync kernel's barrier counters, kept by the caller (arrival_counters: int32,
+    >= 2 T of them, zero; the call leaves them at zero); None: zeroed counters for this call
+    (one more launch). Unused by the other variants. `pdl`: launch the sync kernel with
+    programmatic dependent launch; None: where the GPU has it (sm_90 or newer). Raises
     TypeError / ValueError naming the argument (dtype, shape, device, layout, option) before
     launching."""
     import torch
@@ -72,8 +120,13 @@ def consumer(mailbox, prefix, blocks, norm, query, out_norm, *, variant: str | N
     options = Options.from_kwargs(options)
     R, T, H = mailbox.shape
     NB = blocks.shape[1]
-    plan = launch_plan.make(R, T, NB, H, **options.asdict(), variant=variant)
+    plan = launch_plan.make(R, T, NB, H, **options.asdict(), variant=variant)  # checks `variant`
+    if arrivals is not None:
+        _check_arrivals(torch, arrivals, T, mailbox.device)
+    pdl = _use_pdl(torch, mailbox.device, pdl)
     _check_launchable(torch, named)
+    if pdl:
+        plan = launch_plan.make(R, T, NB, H, **options.asdict(), variant=variant, pdl=True)
     output = torch.empty_like(prefix)
     xmoe = (
         torch.empty((options.xmoe_replicas, T, H), dtype=prefix.dtype, device=prefix.device)
@@ -90,7 +143,8 @@ def consumer(mailbox, prefix, blocks, norm, query, out_norm, *, variant: str | N
             _run(single, mailbox, prefix, blocks_arg, norm, query, out_norm, prefix, output, xmoe_arg)
         elif plan.arrivals_shape is not None:  # sync: one kernel (interpreted: one launch per barrier stretch)
             stats = torch.empty(plan.stats_shape, dtype=torch.float32, device=prefix.device)
-            arrivals = torch.zeros(plan.arrivals_shape, dtype=torch.int32, device=prefix.device)
+            if arrivals is None:
+                arrivals = torch.zeros(plan.arrivals_shape, dtype=torch.int32, device=prefix.device)
             arrays = (mailbox, prefix, blocks_arg, norm, query, out_norm, prefix, output, xmoe_arg, stats, arrivals)
             for launch in plan.stages() if interpreted() else plan.launches:
                 _run(launch, *arrays)
@@ -100,6 +154,22 @@ def consumer(mailbox, prefix, blocks, norm, query, out_norm, *, variant: str | N
             _run(sums, mailbox, prefix, blocks_arg, norm, query, prefix, stats)
             _run(outs, prefix, blocks_arg, out_norm, stats, output, xmoe_arg)
     return TorchResult(prefix, output, xmoe)
+
+
+def _use_pdl(torch, device, pdl: bool | None) -> bool:
+    """Whether to launch with PDL: `pdl`, or (None) whether the device has it."""
+    has = (
+        device.type == "cuda"
+        and not interpreted()
+        and torch.cuda.get_device_capability(device) >= divmod(launch_plan.PDL_MIN_CAPABILITY, 10)
+    )
+    if pdl and not has:
+        raise ValueError(
+            f"pdl: programmatic dependent launch needs a CUDA GPU of compute capability "
+            f"{launch_plan.PDL_MIN_CAPABILITY // 10}.{launch_plan.PDL_MIN_CAPABILITY % 10} or newer (not interpreted); "
+            f"the tensors are on {device}"
+        )
+    return has if pdl is None else bool(pdl)
 
 
 def _run(launch: launch_plan.Launch, *tensors) -> None:

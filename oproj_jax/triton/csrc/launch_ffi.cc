@@ -10,8 +10,9 @@
 //   execute  the in-place copies (below), then cuLaunchKernelEx on XLA's stream;
 //   record   the same as command-buffer nodes XLA owns: a memcpy node per in-place copy, the
 //            kernel node after them; an update only rewrites their arguments.
-// No programmatic (PDL) launch: a Triton kernel does not wait for the grid before it, so an
-// early start could read its inputs before they are written.
+// A programmatic (PDL) launch only where the call says so (`pdl`): the kernel must wait for the
+// grid before it (griddepcontrol.wait) before reading anything, as kernel.py's sync kernel
+// compiled with PDL does; any other kernel could read its inputs before they are written.
 #include <cuda.h>
 
 #include <cstdint>
@@ -48,6 +49,7 @@ struct Plan {
   std::string_view cubin, entry;
   int64_t smem = 0, block = 0;
   unsigned grid[3] = {1, 1, 1};
+  bool pdl = false;
 
   Plan() = default;
   Plan(const Plan&) = delete;  // params() points into this object
@@ -72,8 +74,8 @@ ffi::Error Invalid(std::string_view entry, const std::string& what) {
 
 ffi::Error PlanCall(Plan& plan, ffi::RemainingArgs args, ffi::RemainingRets rets, std::string_view cubin,
                     std::string_view entry, int64_t smem, int64_t block, ffi::Span<const int64_t> grid,
-                    ffi::Span<const int64_t> params, ffi::Span<const int64_t> inplace) {
-  plan.cubin = cubin, plan.entry = entry, plan.smem = smem, plan.block = block;
+                    ffi::Span<const int64_t> params, ffi::Span<const int64_t> inplace, bool pdl) {
+  plan.cubin = cubin, plan.entry = entry, plan.smem = smem, plan.block = block, plan.pdl = pdl;
   if (block < 32 || block > 1024 || block % 32)
     return Invalid(entry, "block: expected a multiple of 32 in 32..1024 threads, got " + std::to_string(block));
   if (smem < 0 || smem > 227 * 1024) return Invalid(entry, "smem: expected 0..232448 bytes, got " + std::to_string(smem));
@@ -142,6 +144,11 @@ ffi::Error Run(CUstream stream, Plan& plan) {
   config.blockDimX = unsigned(plan.block), config.blockDimY = 1, config.blockDimZ = 1;
   config.sharedMemBytes = unsigned(plan.smem);
   config.hStream = stream;
+  CUlaunchAttribute attr = {};
+  attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+  attr.value.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attr;
+  config.numAttrs = plan.pdl ? 1 : 0;
   if (CUresult r = driver().LaunchKernelEx(&config, *fn, plan.params(), nullptr))
     return CudaError(r, plan.entry, "cuLaunchKernelEx");
   return ffi::Error::Success();
@@ -177,7 +184,7 @@ ffi::Error Record(RecordContext ctx, Plan& plan) {
                           {int32_t(plan.block), 1, 1},
                           {0, 0, 0}};  // no cluster
   auto launch = ctx.CreateLaunch(std::string(plan.entry).c_str(), (*image)->data(), (*image)->size(),
-                                 ffi::SourceFormat::kCubin, dims, uint32_t(plan.smem), /*uses_pdl=*/false,
+                                 ffi::SourceFormat::kCubin, dims, uint32_t(plan.smem), plan.pdl,
                                  plan.args(), copies);
   return launch.has_error() ? launch.error() : ffi::Error::Success();
 }
@@ -185,8 +192,8 @@ ffi::Error Record(RecordContext ctx, Plan& plan) {
 #define TRITON_SIG                                                                                            \
   ffi::RemainingArgs args, ffi::RemainingRets rets, std::string_view cubin, std::string_view entry, int64_t smem, \
       int64_t block, ffi::Span<const int64_t> grid, ffi::Span<const int64_t> params,                            \
-      ffi::Span<const int64_t> inplace
-#define TRITON_ARGS args, rets, cubin, entry, smem, block, grid, params, inplace
+      ffi::Span<const int64_t> inplace, bool pdl
+#define TRITON_ARGS args, rets, cubin, entry, smem, block, grid, params, inplace, pdl
 
 ffi::Error Execute(CUstream stream, TRITON_SIG) {
   Plan plan;
@@ -217,7 +224,8 @@ ffi::Error Initialize(TRITON_SIG) {
       .Attr<int64_t>("block")                    /* threads per program = 32 * num_warps */       \
       .Attr<ffi::Span<const int64_t>>("grid")    /* [x, y, z] programs */                         \
       .Attr<ffi::Span<const int64_t>>("params")  /* operand/result index per parameter, -1 null */ \
-      .Attr<ffi::Span<const int64_t>>("inplace") /* (operand, result) pairs read in place */
+      .Attr<ffi::Span<const int64_t>>("inplace") /* (operand, result) pairs read in place */  \
+      .Attr<bool>("pdl")                         /* programmatic dependent launch */
 
 constexpr auto kCmdBuffer = ffi::Traits::kCmdBufferCompatible;
 
