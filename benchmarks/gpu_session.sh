@@ -101,11 +101,10 @@ if has triton; then
   tail -n 30 "$out/triton.txt"
 fi
 if has triton-record; then
-  defaults=$(python3 -c "from oproj_jax.triton import plan; print(','.join(sorted({n for _, n in plan.RULE})))")
   for i in 1 2 3; do
     mkdir -p "$out/triton-run$i"
     stage triton-run$i 150 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/triton_gpu.py --out "$out/triton-run$i" \
-      --tokens "${TRITON_TOKENS:-1,8,64,512,4096}" --variants "$defaults" --budget 130 --buffers donated,rotated
+      --tokens "${TRITON_TOKENS:-1,8,64,512,4096}" --defaults-only --budget 130 --buffers donated,rotated
   done
   python3 benchmarks/triton_record.py --out "$out/triton-record.json" "$out"/triton-run*/*.json
   rm -rf "$out"/triton-run?

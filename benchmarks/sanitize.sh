@@ -20,7 +20,7 @@
 # Build first (python -m oproj_jax.build) and carry oproj_jax/_lib and oproj_jax/cute/cubins.
 # Usage on the GPU machine: bash benchmarks/sanitize.sh OUTDIR [SECONDS_PER_TOOL] [TOOLS] [GROUPS]
 # (TOOLS: a space-separated subset of "memcheck racecheck synccheck initcheck", default all four;
-# GROUPS: of "ours triton", default both)
+# GROUPS: of "ours triton pallas", default "ours triton"; pallas: the Pallas tests of "ours" alone)
 set -u
 out=${1:-${OUT:-/tmp/oproj_sanitize}}
 limit=${2:-240}
@@ -44,6 +44,8 @@ tests=(
   "tests/test_pallas.py::test_parity_gpu[R16-T3-NB8-G4-split7]"
   "tests/test_pallas.py::test_parity_gpu[R16-T3-NB0-G3-nodelta-default]"
 )
+# the Pallas kernel alone (group "pallas"): its tests in "ours" run after the cute ones
+pallas_tests=("${tests[@]:10:3}")
 if [ "$gpus" -ge 2 ]; then
   tests+=("tests/test_peer_gpu.py::test_peer_bits_equal_oneshot[R2-T1-NB0-G2-nodelta]"
           "tests/test_peer_gpu.py::test_peer_bits_equal_oneshot[R2-T8-NB0-G4-nodelta-x1]")
@@ -81,5 +83,6 @@ for tool in $tools; do
   [ "$tool" = initcheck ] && ours="" triton=""
   [[ " $groups " == *" ours "* ]] && sanitize "$tool" "$tool" "$ours" "${tests[@]}" &
   [[ " $groups " == *" triton "* ]] && sanitize "$tool" "triton-$tool" "$triton" "${triton_tests[@]}" &
+  [[ " $groups " == *" pallas "* ]] && sanitize "$tool" "pallas-$tool" "$ours" "${pallas_tests[@]}" &
 done
 wait

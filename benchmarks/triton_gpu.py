@@ -46,6 +46,9 @@ def parse_args(argv):
     parser.add_argument("--out", required=True, help="directory for the JSON file")
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated T (default %(default)s)")
     parser.add_argument("--variants", default=",".join(plan.VARIANTS), help="comma-separated (default: all)")
+    parser.add_argument(
+        "--defaults-only", action="store_true", help="each T's default variant only (plan.default_variant)"
+    )
     parser.add_argument("--reps", type=int, default=10, help="timed executions per chain length (default %(default)s)")
     parser.add_argument(
         "--budget", type=float, default=200.0, help="seconds before new steps stop (default %(default)s)"
@@ -234,9 +237,18 @@ def warm_torch() -> None:
     torch.cuda.init()
 
 
+def variants_for(args, T: int) -> list[str]:
+    """The variants run at T: --variants, or with --defaults-only the default rule's."""
+    from oproj_jax import configs
+    from oproj_jax.triton import plan
+
+    return [plan.default_variant(T, configs.HIDDEN)] if args.defaults_only else args.variants
+
+
 def time_torch(pool, cases, variants, platform: str, reps: int, profile: bool, budget: Budget) -> list[dict]:
     """Every T in `pool`'s one PyTorch process (its CUDA graphs and profiler stay out of JAX's);
-    a step that outlives the budget is abandoned (the caller terminates the pool)."""
+    a step that outlives the budget is abandoned (the caller terminates the pool). `variants`:
+    {T: the variants to time}."""
     from oproj_jax.bench import timing as bench_timing
 
     records = []
@@ -245,13 +257,13 @@ def time_torch(pool, cases, variants, platform: str, reps: int, profile: bool, b
         if budget.left() <= 0:
             records += [
                 _skip(f"torch timing T={config.T} {v}", "out of time (--budget)", variant=v, T=config.T)
-                for v in variants
+                for v in variants[config.T]
             ]
             continue
         k1, k2 = bench_timing.chain_lengths(config, platform)
         l2 = bench_timing.l2_bytes(platform)
         deadline = time.time() + budget.left() / (len(cases) - i)  # an equal share of what is left per T
-        ordered = by_promise(variants, config.T)
+        ordered = by_promise(variants[config.T], config.T)
         job = pool.apply_async(torch_worker, (case, ordered, k1, k2, reps, l2, profile, deadline))
         try:
             results = job.get(timeout=max(1.0, budget.left()) + GRACE_S / 2)
@@ -353,10 +365,11 @@ def _run(args, budget: Budget, platform: str, status: dict, seed: int, profile: 
     from oproj_jax.bench import runner
 
     bench_configs = [configs.Config(configs.TP, t, 8) for t in sorted(args.tokens)]
+    chosen = {c.T: variants_for(args, c.T) for c in bench_configs}
     why_not = {name: status.get(name) for name in ("triton", bench_backends.TRITON_TORCH)}
     if any(why_not.values()):
         reason = "; ".join(f"{k}: {r}" for k, r in why_not.items() if r)
-        records += [_skip(f"T={c.T} {v}", reason, variant=v, T=c.T) for c in bench_configs for v in args.variants]
+        records += [_skip(f"T={c.T} {v}", reason, variant=v, T=c.T) for c in bench_configs for v in chosen[c.T]]
         _write(records, path)
         print(f"nothing to run here ({reason}); wrote {path}", file=sys.stderr)
         return 0 if args.allow_cpu else 1
@@ -368,10 +381,10 @@ def _run(args, budget: Budget, platform: str, status: dict, seed: int, profile: 
     torch_pool.apply_async(warm_torch)
     cases = bench_inputs.HostCases(bench_configs, seed, workers=3)  # the large ones built while small T runs
     try:
-        runner.log(f"checks: T={args.tokens} x {len(args.variants)} variants (seed {seed})")
+        runner.log(f"checks: T={args.tokens}, variants {chosen} (seed {seed})")
         for config in bench_configs:
             case = cases.get(config)
-            for variant in args.variants:
+            for variant in chosen[config.T]:
                 what = f"check T={config.T} {variant}"
                 if budget.left() <= 0:
                     records.append(_skip(what, "out of time (--budget)", variant=variant, T=config.T))
@@ -384,11 +397,11 @@ def _run(args, budget: Budget, platform: str, status: dict, seed: int, profile: 
         runner.log("timings: PyTorch, CUDA graphs")
         hosts = [cases.get(c) for c in bench_configs]
         share = Budget(budget.left() * TORCH_SHARE)
-        records += time_torch(torch_pool, hosts, args.variants, platform, args.reps, profile, share)
+        records += time_torch(torch_pool, hosts, chosen, platform, args.reps, profile, share)
         runner.log("timings: JAX")
         for i, case in enumerate(hosts):
             share = Budget(budget.left() / (len(hosts) - i))  # an equal share of what is left per T
-            records += time_jax(case, args.variants, platform, args.reps, profile, share, args.buffers)
+            records += time_jax(case, chosen[case.config.T], platform, args.reps, profile, share, args.buffers)
     finally:
         torch_pool.terminate()
         cases.close()

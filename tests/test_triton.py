@@ -735,6 +735,9 @@ def test_benchmark_script_without_a_gpu_records_every_step_as_skipped(tmp_path):
     skipped = [r for r in records[1:] if r["kind"] == "skipped"]
     assert len(skipped) == 2 * len(plan.VARIANTS) and {r["T"] for r in skipped} == {1, 4096}
     assert all("no CPU or interpret path" in r["reason"] for r in skipped)
+    assert script.main(["--allow-cpu", "--out", str(tmp_path), "--tokens", "1,4096", "--defaults-only"]) == 0
+    skipped = [r for r in json.loads(path.read_text()) if r["kind"] == "skipped"]
+    assert [(r["T"], r["variant"]) for r in skipped] == [(T, plan.default_variant(T, 7168)) for T in (1, 4096)]
 
 
 def test_benchmark_script_picks_the_fastest_variant_per_tokens():

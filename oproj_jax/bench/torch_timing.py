@@ -47,6 +47,10 @@ def graph_timing(torch, chain, lists, k1: int, k2: int, reps: int, profile: bool
             with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
                 chain(k, *lst)
             graphs[k, j] = g
+    # A graph's first replay uploads it to the device and takes longer; at small T there are
+    # more input lists than timed replays, so without this most timed replays would be first ones.
+    for g in graphs.values():
+        g.replay()
     torch.cuda.synchronize()
     n_lists = len(lists)
 

@@ -3,7 +3,9 @@
 Each launch is one custom call, the prefix aliased input to output (`input_output_aliases`), so
 a jitted caller that donates `prefix` has it updated in place; the split variants pass the
 chunks' dot products to their second kernel in an f32 scratch output, the sync variants to
-themselves, with int32 arrival counters that start at zero in every call.
+themselves, with int32 arrival counters that start at zero in every call (a zeros operand XLA
+fills). Through the package's target on sm_90 and newer the sync kernel is launched with
+programmatic dependent launch (a PDL edge in XLA's graph).
 The same plan.Plan as torch_launch.py: a JAX call and a PyTorch call of one shape compile the
 same kernels and give the same bits.
 
