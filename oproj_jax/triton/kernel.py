@@ -550,9 +550,10 @@ def sync_kernel(
     (sm_90 or newer)."""
     if PDL:
         # The grid may start before the kernel ahead of it on the stream has finished; every read
-        # waits for that kernel's end (its writes then visible), so only the launch overlaps. The
-        # next kernel may start as soon as all of this grid's programs are on the GPU: the
-        # barriers never wait for a program that is not.
+        # waits for that kernel's end (its writes then visible), so only the launch overlaps.
+        # The next grid may launch once every program of this one has begun; its programs then
+        # hold in their own wait, and they cannot take an SM from a program of this grid, which
+        # are all on the GPU by then.
         tl_cuda.gdc_wait()
         tl_cuda.gdc_launch_dependents()
     RECORD: tl.constexpr = 2 * ROWS + 3
