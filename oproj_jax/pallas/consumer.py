@@ -395,8 +395,9 @@ def consumer_with(
     """The kernel with explicit tuning knobs: `split` CTAs per token (a cluster sharing the
     row), `ring` shared-memory row slots per CTA (split == 1; with split > 1 rows are resident),
     `batch` mailbox rows per TMA copy (split > 1; blocks then come in one copy too), `pdl`
-    programmatic dependent launch (GPU only). `profile_dir`: Mosaic GPU's in-kernel profiler writes a trace of the kernel's named phases
-    there (GPU only; benchmarks/pallas_phases.py reads it). `interpret`: Mosaic GPU interpret
+    programmatic dependent launch (GPU only). `profile_dir`: Mosaic GPU's in-kernel profiler
+    writes a trace of the kernel's named phases there (GPU only; benchmarks/pallas_phases.py
+    reads it). `interpret`: Mosaic GPU interpret
     mode; None: unless the enclosing mesh (or JAX's default backend) is a GPU (consumer() decides
     from its arrays' devices). Interpret mode inside a shard_map over several devices raises.
     `options`: the consumer's (Options.from_kwargs: the missing ones at their defaults)."""

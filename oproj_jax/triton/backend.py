@@ -110,12 +110,8 @@ def launch(
         raise ValueError(f"lowering: expected one of {sorted(LOWERINGS)}, got {lowering!r}")
     R, T, H = mailbox.shape
     can = lowering == "library" and library.capability(compute_capability) >= launch_plan.PDL_MIN_CAPABILITY
-    if pdl and not can:
-        raise ValueError(
-            f"pdl: programmatic dependent launch needs lowering 'library' and compute capability >= "
-            f"{launch_plan.PDL_MIN_CAPABILITY}; got lowering {lowering!r}"
-        )
-    pdl = can if pdl is None else bool(pdl)
+    needs = f"lowering 'library' and compute capability >= {launch_plan.PDL_MIN_CAPABILITY}; got lowering {lowering!r}"
+    pdl = launch_plan.use_pdl(pdl, can, needs)
     plan = launch_plan.make(R, T, blocks.shape[1], H, **options, variant=variant, pdl=pdl)
     new_prefix, output, xmoe = _call(plan, compute_capability, lowering)(mailbox, prefix, blocks, norm, query, out_norm)
     return ConsumerResult(new_prefix, output, xmoe if options["xmoe_replicas"] else None)

@@ -171,6 +171,14 @@ def choose(variant: str | None, T: int, H: int) -> Variant:
     return chosen
 
 
+def use_pdl(requested: bool | None, capable: bool, needs: str) -> bool:
+    """Whether a launcher starts the sync kernel with PDL: `requested`, or (None) whether it
+    can; a request it cannot meet is a ValueError saying what it `needs`."""
+    if requested and not capable:
+        raise ValueError(f"pdl: programmatic dependent launch needs {needs}")
+    return capable if requested is None else bool(requested)
+
+
 def unsupported_reason(R: int) -> str | None:
     if R > MAX_RANKS:
         return f"the Triton kernel unrolls the rank sum: R <= {MAX_RANKS}, got R={R}"
@@ -239,8 +247,8 @@ def make(
     shared = dict(NB=NB, H=H)
     sums = dict(shared, R=R, GROUPS=groups, HAS_DELTA=bool(has_delta))
     outs = dict(shared, REPS=xmoe_replicas, EPS=float(eps), OUT_EPS=float(out_eps))
-    launch = lambda kernel, grid, constexprs: Launch(  # noqa: E731
-        kernel, grid, tuple(sorted(constexprs.items())), chosen.num_warps, chosen.max_registers
+    launch = lambda kernel, grid, constexprs, pdl=False: Launch(  # noqa: E731
+        kernel, grid, tuple(sorted(constexprs.items())), chosen.num_warps, chosen.max_registers, pdl
     )
     if chosen.kind == "row":
         return Plan(chosen, (launch("row_kernel", (T,), dict(sums, **outs, BLOCK=max(16, _pow2(H)))),), None)
@@ -255,8 +263,7 @@ def make(
         span = dict(BLOCK=chosen.block, ROWS=rows, CHUNKS=chunks, SPAN=_pow2(chunks))
         whole = dict(sums, **outs, **span, POLLS=SYNC_POLLS, PHASE=0, RELOAD=chosen.reload, PDL=bool(pdl))
         scratch = dict(stats_shape=(T, chunks, 2 * rows + 3), arrivals_shape=(T, 2))
-        sync = dataclasses.replace(launch("sync_kernel", (chunks, T), whole), pdl=bool(pdl))
-        return Plan(chosen, (sync,), **scratch)
+        return Plan(chosen, (launch("sync_kernel", (chunks, T), whole, bool(pdl)),), **scratch)
     tiles["BLOCK"] = chosen.block
     first = launch("split_sum_kernel", (T, chunks), dict(sums, **tiles))
     second = launch("split_out_kernel", (T, chunks), dict(outs, **tiles, CHUNKS=chunks))

@@ -8,7 +8,8 @@ tile and sync variants; sync after zeroing its arrival counters unless the calle
 `arrivals`) or two (split variants) on the current stream, no host synchronization: the call can
 be captured in a CUDA graph. On sm_90 and newer the sync kernel is launched with programmatic
 dependent launch, so in a CUDA graph of consecutive calls each launch overlaps the end of the one
-before.
+before. With TRITON_INTERPRET=1 in the environment before kernel.py is imported, the kernels
+run in Triton's interpreter on CPU tensors (slow; for tests).
 
 A decode loop keeps the counters:
 
@@ -16,8 +17,7 @@ A decode loop keeps the counters:
     for layer in layers:
         torch_launch.consumer(..., arrivals=arrivals)
 
-One set per stream of calls: two calls that run at the same time must not share one. With TRITON_INTERPRET=1 in the environment before kernel.py is
-imported, the kernels run in Triton's interpreter on CPU tensors (slow; for tests).
+One set per stream of calls: two calls that run at the same time must not share one.
 """
 
 from __future__ import annotations
@@ -120,13 +120,11 @@ def consumer(
     options = Options.from_kwargs(options)
     R, T, H = mailbox.shape
     NB = blocks.shape[1]
-    plan = launch_plan.make(R, T, NB, H, **options.asdict(), variant=variant)  # checks `variant`
     if arrivals is not None:
         _check_arrivals(torch, arrivals, T, mailbox.device)
     pdl = _use_pdl(torch, mailbox.device, pdl)
+    plan = launch_plan.make(R, T, NB, H, **options.asdict(), variant=variant, pdl=pdl)
     _check_launchable(torch, named)
-    if pdl:
-        plan = launch_plan.make(R, T, NB, H, **options.asdict(), variant=variant, pdl=True)
     output = torch.empty_like(prefix)
     xmoe = (
         torch.empty((options.xmoe_replicas, T, H), dtype=prefix.dtype, device=prefix.device)
@@ -158,18 +156,10 @@ def consumer(
 
 def _use_pdl(torch, device, pdl: bool | None) -> bool:
     """Whether to launch with PDL: `pdl`, or (None) whether the device has it."""
-    has = (
-        device.type == "cuda"
-        and not interpreted()
-        and torch.cuda.get_device_capability(device) >= divmod(launch_plan.PDL_MIN_CAPABILITY, 10)
-    )
-    if pdl and not has:
-        raise ValueError(
-            f"pdl: programmatic dependent launch needs a CUDA GPU of compute capability "
-            f"{launch_plan.PDL_MIN_CAPABILITY // 10}.{launch_plan.PDL_MIN_CAPABILITY % 10} or newer (not interpreted); "
-            f"the tensors are on {device}"
-        )
-    return has if pdl is None else bool(pdl)
+    major, minor = divmod(launch_plan.PDL_MIN_CAPABILITY, 10)
+    capable = device.type == "cuda" and not interpreted() and torch.cuda.get_device_capability(device) >= (major, minor)
+    needs = f"a CUDA GPU of compute capability {major}.{minor} or newer (not interpreted); the tensors are on {device}"
+    return launch_plan.use_pdl(pdl, capable, needs)
 
 
 def _run(launch: launch_plan.Launch, *tensors) -> None:
