@@ -14,12 +14,10 @@ events that took the most time (command-buffer updates, thunk execution, FFI han
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import statistics
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
@@ -29,26 +27,14 @@ def timeline(fn, args, kernel_substr: str) -> dict:
     host events by total time."""
     import jax
 
+    from oproj_jax.bench import timing
+
     jax.block_until_ready(fn(*args))
-    with tempfile.TemporaryDirectory() as tmp:
-        with jax.profiler.trace(tmp):
-            jax.block_until_ready(fn(*args))
-        (path,) = glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)[:1]
-        data = jax.profiler.ProfileData.from_file(path)
-        kernels, host = [], {}
-        for plane in data.planes:
-            for line in plane.lines:
-                for event in line.events:
-                    if plane.name.startswith("/device:GPU") and line.name.startswith("Stream"):
-                        kernels.append((event.start_ns, event.start_ns + event.duration_ns, event.name))
-                    elif plane.name.startswith("/host"):
-                        n, total = host.get(event.name, (0, 0.0))
-                        host[event.name] = (n + 1, total + event.duration_ns / 1e3)
-    kernels.sort()
+    kernels, host = timing.traced_events(lambda: fn(*args))
     mine = [k for k in kernels if kernel_substr in k[2]]
     gaps = [(b[0] - a[1]) / 1e3 for a, b in zip(mine, mine[1:])]
     durations = [(k[1] - k[0]) / 1e3 for k in mine]
-    top_host = sorted(host.items(), key=lambda kv: -kv[1][1])[:25]
+    top_host = host[:25]
     return dict(
         consumer_kernels=len(mine),
         all_device_events=len(kernels),
@@ -58,7 +44,7 @@ def timeline(fn, args, kernel_substr: str) -> dict:
         gap_us_min=min(gaps) if gaps else None,
         gap_us_max=max(gaps) if gaps else None,
         device_span_us=(mine[-1][1] - mine[0][0]) / 1e3 if mine else None,
-        host_top=[dict(name=name[:120], n=n, us=round(us, 1)) for name, (n, us) in top_host],
+        host_top=[dict(name=name[:120], n=n, us=round(us, 1)) for name, n, us in top_host],
     )
 
 

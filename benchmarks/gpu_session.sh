@@ -5,8 +5,9 @@
 #            || with `sanitize` compute-sanitizer (benchmarks/sanitize.sh; after kernel changes)
 #            || with `ipc` the cross-process peer-memory probe (benchmarks/ipc_probe.py), in parallel
 #   record   the benchmark of record on GPU 0 (benchmarks/record.py: the chain slopes of
-#            $RECORD_BACKENDS (default cute,pallas) in both forms in 3 processes, median; cute's
-#            decode step in 3 processes, median)
+#            $RECORD_BACKENDS (default cute,pallas) in every form in 3 processes, median; the decode
+#            step of $DECODE_BACKENDS (default cute) at $DECODE_TOKENS (default 1,64; empty: none)
+#            in 3 processes, median)
 #   pdl-ab   programmatic dependent launch on and off, one process (benchmarks/pdl_ab.py)
 #   tp       the TP step on 2 GPUs (benchmarks/record.py --tp 2: every mode x backend, 3
 #            processes, median)
@@ -61,8 +62,8 @@ fi
 if has record; then
   # the first process times both forms with the profiler (~110 s), the others the donated form
   stage record 540 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/record.py --out-dir "$out" \
-    --backends "${RECORD_BACKENDS:-cute,pallas}" --tokens 1,8,64,512,4096 --reps 30 --decode-tokens 1,64 \
-    --decode-backends cute --timeout 150
+    --backends "${RECORD_BACKENDS:-cute,pallas}" --tokens 1,8,64,512,4096 --reps 30 \
+    --decode-tokens "${DECODE_TOKENS-1,64}" --decode-backends "${DECODE_BACKENDS:-cute}" --timeout 170
   tail -n 30 "$out/record.txt"
 fi
 if has pdl-ab; then

@@ -6,11 +6,15 @@ tensor-parallel step instead (python -m oproj_jax.bench.tp: every mode x backend
   PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/record.py --out-dir $OUT --tp 2 --name tp2
 
 Each process is `python -m oproj_jax.bench` (bench/timing.py: slope of unrolled chains of
-dependent calls, every execution waited for) in both of the chain's forms: "donated" (a decode
-loop's: the state donated from one execution to the next, no buffer moves; the record's `us`)
-and "rotated" (every buffer new each execution; `us_rotated`). The first process also takes the
-profiler's kernel time (`us_kernels`). Single slopes at T=1 move by several microseconds from
-one process to the next, so the record is the median over the processes, with every process's
+dependent calls) in the chain's forms, the first the record's `us`: "pipelined" (a decode
+loop's: the state donated from one execution to the next, no buffer moves, executions
+dispatched back to back, so the host's work per execution overlaps the device's; with
+`us_host`, the host's dispatch time per call, which a loop pays instead where it is the
+larger), "donated" (the same, every execution waited for: the host's work before each launch
+adds to the device's; `us_donated`) and, in the first process only, "rotated" (every buffer
+new each execution; `us_rotated`). The first process also takes the profiler's kernel time
+(`us_kernels`). Slopes move from one process to the next (the waited-for form's by several
+microseconds at T <= 64), so the record is the median over the processes, with every process's
 value kept (`us_runs`). Writes <out-dir>/<date>-<device>-<name>.json: a header, one record per
 backend and T (kind "timing", "record": true), the decode-step records, and the processes' logs.
 """
@@ -53,7 +57,7 @@ def bench(args: list[str], timeout: float, module: str = "oproj_jax.bench") -> t
 # bench/runner.py _log_timing's line: "time T=   64 cute       donated        9.5 us/call  (profiler
 # 16.3, kernels 16.34, busy 9.42) ..."
 LOGGED_TIMING = re.compile(
-    r"time T=\s*(?P<T>\d+) (?P<backend>\S+)\s+(?P<buffers>donated|rotated)\s+(?P<us>-?[\d.]+) us/call"
+    r"time T=\s*(?P<T>\d+) (?P<backend>\S+)\s+(?P<buffers>donated|rotated|pipelined)\s+(?P<us>-?[\d.]+) us/call"
     r"(?:\s+\(profiler [-\d.]+, kernels [-\d.]+, busy (?P<busy>-?[\d.]+)\))?"
 )
 
@@ -83,26 +87,33 @@ def records_from_log(log: str) -> list[dict]:
     ]
 
 
-def merge(runs: list[list[dict]]) -> list[dict]:
+def merge(runs: list[list[dict]], primary: str | None = None) -> list[dict]:
     """One record per (mode, backend, T[, process_index]): the median slope over the runs that
     timed it (mode: the TP layout of a --tp run, None for a single-GPU run; process_index: the
     view of one process of a mesh spanning several, None when one process drives the mesh).
-    Where the chain ran in both forms (bench/timing.py BUFFERS), `us` is the donated form's and
-    `us_rotated` the rotated form's median."""
+    Where the chain ran in several forms (bench/timing.py BUFFERS), `us` is the `primary` form's
+    median (default: the first form met) and `us_<form>` (with `us_<form>_runs`) each other
+    form's; `us_host` is the primary form's host dispatch time per call, where measured, and
+    `us_pipelined` the median of the records' own `us_pipelined` (bench.tp times both ways)."""
     by_key: dict[tuple, list[dict]] = {}
-    rotated: dict[tuple, list[float]] = {}
+    others: dict[tuple, list[float]] = {}  # (form, *key): slopes
     for records in runs:
         for r in records:
-            if r.get("kind") == "timing":
-                view = r["process_index"] if r.get("processes", 1) > 1 else -1
-                key = (r.get("mode") or "", r["backend"], r["T"], view)
-                if r.get("buffers") == "rotated":
-                    rotated.setdefault(key, []).append(r["us"])
-                else:
-                    by_key.setdefault(key, []).append(r)
+            if r.get("kind") != "timing":
+                continue
+            form = r.get("buffers")
+            primary = primary or form
+            view = r["process_index"] if r.get("processes", 1) > 1 else -1
+            key = (r.get("mode") or "", r["backend"], r["T"], view)
+            if form == primary:
+                by_key.setdefault(key, []).append(r)
+            else:
+                others.setdefault((form, *key), []).append(r["us"])
     merged = []
     for (mode, backend, T, view), rs in sorted(by_key.items(), key=lambda kv: (kv[0][2], kv[0][0], kv[0][1], kv[0][3])):
         kernels = [r["us_kernels"] for r in rs if r.get("us_kernels") is not None]
+        hosts = [r["us_host"] for r in rs if r.get("us_host") is not None]
+        piped = [r["us_pipelined"] for r in rs if r.get("us_pipelined") is not None]  # bench.tp's records
         first = next((r for r in rs if not r.get("recovered_from_log")), rs[0])
         tp = dict(mode=mode, gpus=first.get("gpus")) if mode else {}
         if view >= 0:
@@ -126,11 +137,14 @@ def merge(runs: list[list[dict]]) -> list[dict]:
                     if any(r.get("recovered_from_log") for r in rs)
                     else {}
                 ),
-                **(
-                    dict(us_rotated=statistics.median(rotated[key]), us_rotated_runs=rotated[key])
-                    if (key := (mode, backend, T, view)) in rotated
-                    else {}
-                ),
+                **(dict(us_host=statistics.median(hosts), us_host_runs=hosts) if hosts else {}),
+                **(dict(us_pipelined=statistics.median(piped), us_pipelined_runs=piped) if piped else {}),
+                **{
+                    name: value
+                    for (form, *key), slopes in sorted(others.items())
+                    if tuple(key) == (mode, backend, T, view)
+                    for name, value in ((f"us_{form}", statistics.median(slopes)), (f"us_{form}_runs", slopes))
+                },
                 us_kernels=statistics.median(kernels) if kernels else None,
                 noise_us=[r.get("noise_us") for r in rs],
                 device=first["device"],
@@ -172,9 +186,9 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=60, help="executions per chain length and process")
     parser.add_argument(
         "--buffers",
-        default="donated,rotated",
-        help="the chain's forms (bench/timing.py BUFFERS; default %(default)s): every form in the first process, "
-        "the first form in the others",
+        default="pipelined,donated,rotated",
+        help="the chain's forms (bench/timing.py BUFFERS; default %(default)s), the first the record's `us`: every "
+        "form in the first process, all but rotated in the others",
     )
     parser.add_argument("--decode-tokens", default="1,64")
     parser.add_argument("--decode-backends", default=None, help="the decode step's backends (default: --backends)")
@@ -208,8 +222,9 @@ def main(argv=None) -> int:
     for i in range(args.processes):
         if args.tp:
             extra = [] if i == 0 else ["--no-profile"]
-        else:  # the later processes time the first form only (the record's us)
-            extra = ["--buffers", args.buffers] if i == 0 else ["--no-profile", "--buffers", args.buffers.split(",")[0]]
+        else:  # the later processes leave out the rotated form
+            later = ",".join(f for f in args.buffers.split(",") if f != "rotated") or args.buffers
+            extra = ["--buffers", args.buffers] if i == 0 else ["--no-profile", "--buffers", later]
         records, log = bench(common + extra, args.timeout, module)
         runs.append(records)
         logs[f"process {i}"] = log[-6000:]
@@ -226,7 +241,7 @@ def main(argv=None) -> int:
     )
     records = [
         header,
-        *merge(runs),
+        *merge(runs, primary=None if args.tp else args.buffers.split(",")[0]),
         *decode,
         *(r for rs in runs for r in rs if r.get("kind") in ("error", "copy")),
     ]
@@ -236,7 +251,10 @@ def main(argv=None) -> int:
     with open(path, "w") as f:
         json.dump(dict(records=records, logs=logs), f, indent=1)
     print(f"wrote {path}")
-    print(f"{'backend':16s} {'T':>5s} {'us (median)':>12s}  {'runs':24s} {'us_kernels':>10s} {'us_rotated':>10s}")
+    print(
+        f"{'backend':16s} {'T':>5s} {'us (median)':>12s}  {'runs':24s} {'us_kernels':>10s} {'us_host':>8s} "
+        f"{'us_donated':>10s} {'us_rotated':>10s} {'us_pipelined':>12s}"
+    )
     for r in records:
         if r.get("kind") == "timing":
             runs_text = "/".join(f"{u:.2f}" for u in r["us_runs"])
@@ -244,7 +262,10 @@ def main(argv=None) -> int:
             print(
                 f"{(r.get('mode', '') + '/' + r['backend']).strip('/') + view:16s} {r['T']:5d} {r['us']:12.2f}  {runs_text:24s} "
                 f"{r['us_kernels'] if r['us_kernels'] is None else round(r['us_kernels'], 2)!s:>10s} "
-                f"{round(r['us_rotated'], 2) if 'us_rotated' in r else '-'!s:>10s}"
+                + " ".join(
+                    f"{round(r[name], 2) if name in r else '-'!s:>{width}s}"
+                    for name, width in (("us_host", 8), ("us_donated", 10), ("us_rotated", 10), ("us_pipelined", 12))
+                )
             )
         elif r.get("kind") == "decode_step":
             print(

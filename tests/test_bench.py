@@ -92,7 +92,8 @@ def test_cli_json_has_required_fields(cli_run):
     (t,) = [r for r in records if r["kind"] == "timing"]
     assert TIMING_FIELDS <= set(t)
     assert (t["backend"], t["T"], t["R"], t["NB"], t["groups"]) == ("reference", 1, 2, 1, 4)
-    assert t["buffers"] == "donated"  # the CLI's default form, a decode loop's
+    assert t["buffers"] == "pipelined"  # the CLI's default form, a decode loop's
+    assert t["us_host"] is not None  # the host's dispatch time per call, beside the slope
     assert np.isfinite(t["us"]) and t["noise_us"] >= 0  # a loaded 2-core CPU can even give us <= 0
     assert t["bytes"] == configs.min_bytes(configs.Config(2, 1, 1))
     if t["us"] > 0:
@@ -105,7 +106,7 @@ def test_cli_json_has_required_fields(cli_run):
 def test_cli_prints_the_table(cli_run):
     out = cli_run["stdout"]
     assert "us/call" in out and "% copy" in out and "x ref" in out
-    assert any(line.startswith("reference") and line.split()[1:3] == ["donated", "1"] for line in out.splitlines())
+    assert any(line.startswith("reference") and line.split()[1:3] == ["pipelined", "1"] for line in out.splitlines())
     assert "copy bandwidth (roofline)" in out
 
 
@@ -259,6 +260,39 @@ def test_donated_chain_keeps_its_buffers_and_computes_the_calls():
     assert not np.asarray(outputs[2]).any()  # call 3 is the K2 chain's only
 
 
+def test_pipelined_slope_dispatches_back_to_back_and_waits_once(monkeypatch):
+    """The pipelined form's sample is the mean of PIPELINE executions dispatched back to back,
+    waited for once, on the last one's results (a donated loop's earlier results are consumed by
+    the next execution); a fake clock makes an execution of k calls take 1000 * k us."""
+    clock = [0.0]
+    waited = []
+
+    def fake(k):
+        def run():
+            clock[0] += 1e-3 * k
+            return ("result", k, clock[0])
+
+        return run
+
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(timing.jax, "block_until_ready", lambda x: waited.append(x) or x)
+    per_call, t1, t2, _ = timing.slope(fake(1), fake(5), lambda i: (), 1, 5, reps=3, warmup=0, pipelined=4)
+    assert per_call == pytest.approx(1000.0)
+    assert (t1, t2) == (pytest.approx(1000.0), pytest.approx(5000.0))
+    assert len(waited) == 6 and all(w[0] == "result" for w in waited)  # one wait per sample
+
+
+def test_pipelined_form_times_the_donated_chain():
+    config = configs.Config(2, 1, 1)
+    pool = inputs.DevicePool(inputs.host_case(config, 5), 3, l2_bytes=2**16)
+    t = timing.time_backend("reference", pool, config, 1, 3, reps=1, profile=False, buffers="pipelined")
+    assert t.buffers == "pipelined" and t.n_sets == 3
+    assert f"{timing.PIPELINE} executions dispatched back to back" in t.method
+    with pytest.raises(ValueError, match="buffers: expected one of"):
+        timing.time_backend("reference", pool, config, 1, 3, reps=1, profile=False, buffers="piped")
+    assert timing.parse_buffers("donated,pipelined") == ("donated", "pipelined")
+
+
 def test_rotated_chain_computes_the_calls_on_each_set():
     config = configs.Config(2, 1, 1)
     pool = inputs.DevicePool(inputs.host_case(config, 4), 2, l2_bytes=2**16)
@@ -284,18 +318,31 @@ def test_record_recovers_the_timings_a_stopped_process_logged(capsys):
     config = configs.Config(16, 64, 8)
     profiled = timing.Timing(9.5, 8, 32, 30, 32, 1494.0, 1722.0, 2.2, 16.3, "note", 16.34, 9.42, buffers="donated")
     rotated = timing.Timing(13.2, 8, 32, 30, 64, 1486.0, 1803.0, 7.5, buffers="rotated")
-    for t in (profiled, rotated):
+    pipelined = timing.Timing(9.3, 8, 32, 30, 32, 1490.0, 1713.0, 1.0, buffers="pipelined")
+    for t in (profiled, rotated, pipelined):
         runner._log_timing("cute", config, t)
     recovered = record.records_from_log("timed out after 100 s: " + capsys.readouterr().err)
     assert [(r["backend"], r["T"], r["buffers"], r["us"], r["us_kernels"]) for r in recovered] == [
         ("cute", 64, "donated", 9.5, 9.42),
         ("cute", 64, "rotated", 13.2, None),
+        ("cute", 64, "pipelined", 9.3, None),
     ]
     complete = [dict(recovered[0], us=10.1, us_kernels=None, recovered_from_log=False, device="gpu")]
-    (merged,) = record.merge([recovered, complete, [dict(complete[0], us=9.2)]])
+    later = [dict(complete[0], us=9.2), dict(recovered[2], us=9.9)]
+    (merged,) = record.merge([recovered, complete, later])
     assert merged["us_runs"] == [9.5, 10.1, 9.2] and merged["us"] == 9.5
     assert merged["us_runs_from_log"] == [0] and merged["us_kernels"] == 9.42 and merged["device"] == "gpu"
-    assert merged["us_rotated"] == 13.2
+    assert merged["us_rotated"] == 13.2 and merged["us_rotated_runs"] == [13.2]
+    assert merged["us_pipelined_runs"] == [9.3, 9.9] and merged["us_pipelined"] == pytest.approx(9.6)
+    # the record's form named: the pipelined slopes are `us`, the host's dispatch time beside them
+    runs = [[dict(r, us_host=1.5) if r["buffers"] == "pipelined" else r for r in run] for run in (recovered, later)]
+    (merged,) = record.merge(runs, primary="pipelined")
+    assert merged["us_runs"] == [9.3, 9.9] and merged["buffers"] == "pipelined"
+    assert merged["us_host"] == 1.5 and merged["us_donated_runs"] == [9.5, 9.2] and merged["us_rotated"] == 13.2
+    # a TP record carries both of its slopes itself
+    tp_runs = [[dict(recovered[0], mode="peer", gpus=2, us=u, us_pipelined=p)] for u, p in ((8.0, 6.0), (9.0, 5.0))]
+    (merged,) = record.merge(tp_runs)
+    assert merged["us"] == 8.5 and merged["us_pipelined_runs"] == [6.0, 5.0] and merged["us_pipelined"] == 5.5
 
 
 def test_record_takes_the_median_decode_step_over_processes():
@@ -371,3 +418,7 @@ def test_tp_step_timing_runs_on_cpu_devices():
     record = tp.time_combo(mesh, "psum", "reference", configs.Config(2, 1, 8, groups=4), 1, False, chain=(1, 3))
     assert (record["kind"], record["k1"], record["k2"], record["gpus"], record["processes"]) == ("timing", 1, 3, 2, 1)
     assert np.isfinite(record["us"]) and record["us_kernels"] is None
+    assert np.isfinite(record["us_pipelined"]) and "dispatched back to back" in record["method"]
+    slow_psum = dict(record, us=30.0, us_pipelined=24.0)
+    peer = dict(record, mode="peer", backend="cute", us=10.0, us_pipelined=6.0)
+    assert "peer/cute T=1: 3.0x faster than psum/reference (pipelined: 4.0x)" in tp.summary([slow_psum, peer])

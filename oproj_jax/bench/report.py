@@ -5,7 +5,8 @@ Record kinds (one list, written as JSON):
   copy    : {"kind": "copy", "us", "gbps", "bytes", "method", "device", "date", ...}
   timing  : {"kind": "timing", "backend", "buffers", "T", "R", "NB", "groups", "has_delta", "us", "device",
              "date", "bytes", "gbps", "pct_roofline", "speedup_vs_reference", "method",
-             "us_profiler", "us_kernels" (the kernels' busy time per call from the profiler), ...}
+             "us_profiler", "us_kernels" (the kernels' busy time per call from the profiler),
+             "us_host" (pipelined form: the host's dispatch time per call), ...}
   check   : {"kind": "check", "backend", "config", "prefix_mismatch", "out_rel_l2", "ok", ...}
   skipped : {"kind": "skipped", "backend", "reason", ...}
 """
@@ -53,7 +54,19 @@ def timing_table(records: list[dict]) -> str:
         (r for r in records if r.get("kind") == "timing"),
         key=lambda r: (r["T"], r.get("buffers") or "", r["backend"]),
     )
-    head = ("backend", "buffers", "T", "us/call", "us(prof)", "us(kern)", "us(1call)", "GB/s", "% copy", "x ref")
+    head = (
+        "backend",
+        "buffers",
+        "T",
+        "us/call",
+        "us(host)",
+        "us(prof)",
+        "us(kern)",
+        "us(1call)",
+        "GB/s",
+        "% copy",
+        "x ref",
+    )
     lines = []
     if copy:
         lines.append(f"copy bandwidth (roofline): {copy['gbps']:.0f} GB/s")
@@ -69,6 +82,7 @@ def timing_table(records: list[dict]) -> str:
             r.get("buffers") or "-",
             str(r["T"]),
             _fmt(r["us"], ".1f"),
+            _fmt(r.get("us_host"), ".1f"),
             _fmt(r.get("us_profiler"), ".1f"),
             _fmt(r.get("us_kernels"), ".1f"),
             _fmt(r.get("us_profiler_single"), ".1f"),

@@ -191,6 +191,7 @@ def _timing_record(name: str, config: configs.Config, t) -> dict:
         **bench_timing.shape_fields(config),
         config=config.name,
         us=t.us,
+        us_host=t.us_host,
         device=device_name(),
         date=today(),
         bytes=configs.min_bytes(config),
@@ -223,6 +224,7 @@ def _log_timing(name: str, config: configs.Config, t) -> None:
         f"time T={config.T:5d} {name:10s} {t.buffers or '':8s} {t.us:9.1f} us/call"
         + profiler
         + (f"  (1-call jit profiler {t.us_profiler_single:.1f})" if t.us_profiler_single is not None else "")
+        + (f"  (host {t.us_host:.2f} us/call)" if t.us_host is not None else "")
         + f"  [t(K1)={t.t_k1_us:.0f} t(K2)={t.t_k2_us:.0f} us, noise ~{t.noise_us:.1f} us/call]"
         + ("  WARNING: not above the noise, raise --reps" if t.us <= 2 * t.noise_us else "")
     )
@@ -262,9 +264,11 @@ def run_timings(
             if reason:
                 records.append(_skip(name, f"timing {config.name}", reason))
                 continue
-            for form in ("rotated",) if l2_warm else buffers:
-                try:
-                    t = bench_timing.time_backend(name, pool, config, k1, k2, reps, profile, buffers=form)
+            forms = ("rotated",) if l2_warm else buffers
+            for form in forms:
+                try:  # the profiler's kernel time once per backend and T, with the first form
+                    first = form == forms[0]
+                    t = bench_timing.time_backend(name, pool, config, k1, k2, reps, profile and first, buffers=form)
                 except Exception as err:
                     records.append(_error(name, f"timing {config.name} {form}", err))
                     continue

@@ -12,17 +12,26 @@ live). The wall time of such an execution is overhead + K * per-call time, so
 Both jits take the same K2 input sets (keep_unused=True), so the per-argument dispatch cost
 cancels too. The profiler's device times (kernel durations summed per call) are a cross-check.
 
-Two forms of the chain (BUFFERS):
-- "donated", a decode loop's form: every execution reads the same input sets and carries its
-  state (the prefix, every output) from one execution to the next by donation, so no buffer
-  moves between executions.
+Three forms of the chain (BUFFERS):
+- "pipelined", a decode loop's form (the bench's default and the record's): every execution
+  reads the same input sets and carries its state (the prefix, every output) from one execution
+  to the next by donation, so no buffer moves between executions; executions are dispatched
+  back to back (PIPELINE per sample, waited for once), as a jitted decode loop that keeps its
+  state on the device runs them: the host prepares execution i+1 while the device runs
+  execution i. The slope is then the device's time per call, unless the host's dispatch time
+  per call (`us_host`, dispatch_slope, measured beside it) is the larger: a loop pays that.
+- "donated": the same, every execution waited for before the next is dispatched, so the host's
+  work before each launch (XLA's stages of every thunk, such as a custom call's prepare and
+  initialize) adds to the device's time, as in a loop that reads its results every step. Its
+  slopes scatter by several us per call between processes at T <= 64 (the host's jitter).
 - "rotated": executions cycle through lists of input copies (inputs.DevicePool) and every
   output is a new allocation, so every buffer moves between executions. Inside XLA's command
   buffer (a CUDA graph) each moved buffer is a graph update before the launch, host work per
   call that a loop with donated state does not pay (docs/perf.md).
-Both start with a pass over a large buffer (_prelude): it evicts L2, so every call reads its
-inputs from HBM, and it keeps the device busy until the host is done with the execution, so
-the device's time per call is never hidden behind the host's work in the shorter chain.
+Every form starts with a pass over a large buffer (_prelude): it evicts L2, so every call
+reads its inputs from HBM, and it keeps the device busy until the host is done with the
+execution, so the device's time per call is never hidden behind the host's work in the
+shorter chain.
 """
 
 from __future__ import annotations
@@ -43,7 +52,8 @@ from oproj_jax import api, configs
 from oproj_jax.bench import inputs as bench_inputs
 
 EPS = 1e-6
-BUFFERS = ("donated", "rotated")
+BUFFERS = ("donated", "rotated", "pipelined")
+PIPELINE = 8  # executions dispatched back to back per sample of the pipelined form
 
 
 def parse_buffers(text: str) -> tuple[str, ...]:
@@ -80,6 +90,9 @@ class Timing:
     profiler_single_note: str | None = None
     method_text: str | None = None  # set by timers that measure differently (torch: CUDA graphs)
     buffers: str | None = None  # the chain's form (BUFFERS); None: not a chain (method_text says what)
+    # pipelined form: the host's time per call to dispatch an execution (dispatch_slope); the
+    # pipelined slope is what a back-to-back loop pays as long as this stays below it
+    us_host: float | None = None
 
     @property
     def method(self) -> str:
@@ -87,6 +100,11 @@ class Timing:
             return self.method_text
         if self.buffers == "donated":
             sets = f"{self.n_sets} distinct input sets, the state donated from execution to execution"
+        elif self.buffers == "pipelined":
+            sets = (
+                f"{self.n_sets} distinct input sets, the state donated from execution to execution, {PIPELINE} "
+                "executions dispatched back to back per sample (the host's work overlaps the device's)"
+            )
         else:
             sets = f"{self.n_sets} distinct input sets rotated, new output buffers every execution"
         sets += ", each execution after a prelude pass that evicts L2 (L2-cold)"
@@ -221,13 +239,34 @@ def _run_once(fn, args) -> float:
 def _run_pipelined(fn, args_of, first: int, n: int) -> float:
     """Mean wall time in us of n executions dispatched back to back (JAX dispatches
     asynchronously: the host prepares execution i+1 while the device runs execution i), each on
-    its own argument set, waited for once at the end."""
+    its own argument set, waited for once at the end: on the last one's results (the executions
+    run in order on the device's stream; a donated loop's earlier results are consumed)."""
     start = time.perf_counter()
     outs = [fn(*args_of(first + i)) for i in range(n)]
-    jax.block_until_ready(outs)
+    jax.block_until_ready(outs[-1])
     elapsed = time.perf_counter() - start
     del outs
     return elapsed * 1e6 / n
+
+
+def dispatch_us(fn, args=(), reps: int = 10) -> float:
+    """Median host time in us for fn(*args) to return, each execution waited for afterwards. JAX
+    dispatches asynchronously: this is the host's work to enqueue an execution (XLA's stages of
+    every thunk, the command buffer's launch), not the device's."""
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        out = fn(*args)
+        times.append((time.perf_counter() - start) * 1e6)
+        jax.block_until_ready(out)
+        del out
+    return statistics.median(times)
+
+
+def dispatch_slope(fn1, fn2, k1: int, k2: int, reps: int) -> float:
+    """The host's dispatch time per call of a donated loop's chains: (dispatch(K2) -
+    dispatch(K1)) / (K2 - K1), dispatch_us of each."""
+    return (dispatch_us(fn2, reps=reps) - dispatch_us(fn1, reps=reps)) / (k2 - k1)
 
 
 def mad(values) -> float:
@@ -286,14 +325,17 @@ def time_backend(
     step = step or consumer_step(backend, config)
     name = f"chain_{backend}_T{config.T}_{buffers}_K"
     platform = jax.default_backend()
-    if buffers == "donated":
+    if buffers in ("donated", "pipelined"):
         fn1, fn2 = (donated_loop(donated_chain(step, k, f"{name}{k}"), step, pool, k2, platform) for k in (k1, k2))
         args_of, n_sets = (lambda i: ()), k2
     else:
         fn1, fn2 = (rotated_loop(consumer_chain(step, k, f"{name}{k}"), platform) for k in (k1, k2))
         args_of, n_sets = pool.args, pool.n_sets
-    us, m1, m2, noise = slope(fn1, fn2, args_of, k1, k2, reps)
+    pipelined = PIPELINE if buffers == "pipelined" else 0
+    us, m1, m2, noise = slope(fn1, fn2, args_of, k1, k2, reps, pipelined=pipelined)
     timing = Timing(us, k1, k2, reps, n_sets, m1, m2, noise, buffers=buffers)
+    if pipelined:
+        timing.us_host = dispatch_slope(fn1, fn2, k1, k2, reps)
     if profile:
         profiled = profiled_slope(fn1, fn2, args_of, k1, k2)
         timing.us_profiler, timing.profiler_note, timing.us_profiler_kernels, timing.us_profiler_busy = profiled
@@ -318,6 +360,28 @@ def busy_us(intervals) -> float:
             total += stop - end
             end = stop
     return total / 1e3
+
+
+def traced_events(run) -> tuple[list[tuple[int, int, str]], list[tuple[str, int, float]]]:
+    """One traced call of run() (waited for): its device events (start_ns, end_ns, name) on the
+    GPU stream lines, sorted by start, and its host events as (name, count, summed us), the
+    largest total first."""
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp):
+            jax.block_until_ready(run())
+        (path,) = glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)[:1]
+        data = jax.profiler.ProfileData.from_file(path)
+        device, host = [], {}
+        for plane in data.planes:
+            for line in plane.lines:
+                for event in line.events:
+                    if plane.name.startswith("/device:GPU") and line.name.startswith("Stream"):
+                        device.append((event.start_ns, event.start_ns + event.duration_ns, event.name))
+                    elif plane.name.startswith("/host"):
+                        n, total = host.get(event.name, (0, 0.0))
+                        host[event.name] = (n + 1, total + event.duration_ns / 1e3)
+    device.sort()
+    return device, sorted(((name, n, us) for name, (n, us) in host.items()), key=lambda x: -x[2])
 
 
 def _device_event_summary(xplane_path: str) -> tuple[dict[str, tuple[int, float]], dict[str, float], float]:

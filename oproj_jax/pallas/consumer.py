@@ -46,8 +46,10 @@ RING_MAX_T = 64  # split == 1: ring=RING up to this many tokens, 2 above (two CT
 PROFILE_RANGES = 32  # in-kernel profiler: named phases (ranges) recorded per warpgroup
 SMEM_LIMIT = 227 * 1024  # sm_90: the most dynamic shared memory one CTA may opt in to
 SMEM_ALIGN = 1024  # Pallas Mosaic GPU starts every scratch buffer on this boundary
-# On the GPU the kernel is launched with programmatic dependent launch: its start (barrier and
-# cluster setup) overlaps the end of the kernel ahead of it in a chain of calls.
+# On the GPU the kernel is launched with programmatic dependent launch: where Mosaic GPU launches
+# it on a stream, its start (barrier and cluster setup) overlaps the end of the kernel ahead of
+# it. Inside XLA's command buffer the call is recorded by stream capture into a child graph,
+# which no programmatic edge reaches: there the kernels run one after the other (docs/perf.md).
 PDL = True
 
 f32, bf16 = jnp.float32, jnp.bfloat16
