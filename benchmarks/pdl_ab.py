@@ -116,7 +116,7 @@ def main(argv=None) -> int:
             for backend, label, step in arms:
                 t = timing.time_backend(
                     f"{backend}_{label}".replace("-", "_"), pool, config, k1, k2, args.reps, r == 0,
-                    step=step, profile_single=False,
+                    step=step, profile_single=False, buffers="donated",
                 )  # fmt: skip
                 records.append(_record(backend, label, config, t, r, device))
             report.write_json(list(records), path)

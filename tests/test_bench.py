@@ -288,6 +288,10 @@ def test_pipelined_form_times_the_donated_chain():
     t = timing.time_backend("reference", pool, config, 1, 3, reps=1, profile=False, buffers="pipelined")
     assert t.buffers == "pipelined" and t.n_sets == 3
     assert f"{timing.PIPELINE} executions dispatched back to back" in t.method
+    # the waited-for form of the same backend and T reuses the pipelined form's executables
+    hits = timing.donated_chain.cache_info().hits
+    timing.time_backend("reference", pool, config, 1, 3, reps=1, profile=False, buffers="donated")
+    assert timing.donated_chain.cache_info().hits == hits + 2
     with pytest.raises(ValueError, match="buffers: expected one of"):
         timing.time_backend("reference", pool, config, 1, 3, reps=1, profile=False, buffers="piped")
     assert timing.parse_buffers("donated,pipelined") == ("donated", "pipelined")

@@ -61,7 +61,7 @@ def parse_args(argv):
     parser.add_argument("--no-profile", action="store_true", help="skip the profiler cross-check (GPU)")
     parser.add_argument(
         "--buffers",
-        default="pipelined",
+        default="pipelined",  # bench.timing.RECORD_FORM (jax, which timing imports, starts after parsing)
         help="the chain's forms, comma-separated (bench/timing.py BUFFERS): 'pipelined' (default: a decode loop's, "
         "the state donated from one execution to the next, no buffer moves, executions dispatched back to back), "
         "'donated' (the same, each execution waited for: the host's work before each launch adds to the "

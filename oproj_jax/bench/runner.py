@@ -238,7 +238,7 @@ def run_timings(
     reps: int,
     profile: bool,
     l2_warm: bool = False,
-    buffers=("donated",),
+    buffers=(bench_timing.RECORD_FORM,),
 ) -> list[dict]:
     """JAX backends first, T by T; then the torch baseline in its own process (its CUDA graphs
     and profiler must not share a process with JAX: CUPTI takes one subscriber, and a failed
