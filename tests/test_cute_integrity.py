@@ -8,7 +8,6 @@ only a GPU shows: that an intact cubin of a current manifest also loads and runs
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
@@ -49,15 +48,109 @@ def test_seal_records_the_fingerprint_and_every_sha256(cubins):
     assert backend.unavailable_reason("cuda") is None
 
 
-def test_fingerprint_covers_every_kernel_source_and_the_dsl_version(tmp_path):
-    here = M.source_fingerprint("4.8.1")
-    assert M.source_fingerprint("4.8.2") != here
-    for name in M.FINGERPRINT_SOURCES:
-        copy = tmp_path / name.replace(".py", "")
-        shutil.copytree(M.SOURCE_DIR, copy, ignore=shutil.ignore_patterns("cubins", "csrc", "__pycache__"))
-        assert M.source_fingerprint("4.8.1", str(copy)) == here
-        (copy / name).write_bytes((copy / name).read_bytes() + b"\n# edited\n")
-        assert M.source_fingerprint("4.8.1", str(copy)) != here, name
+# A package tree standing in for oproj_jax: the device code imports helpers (absolutely, relatively,
+# inside a function, through another helper); the build driver has compile definitions and a shape
+# table from a module only it imports; one module nothing of the device code imports.
+FAKE_TREE = {
+    "oproj_jax/__init__.py": "from oproj_jax.api import consumer\n",
+    "oproj_jax/api.py": "def consumer(): ...\n",
+    "oproj_jax/ptx.py": "WAIT = 'mbarrier.try_wait'\n",
+    "oproj_jax/configs.py": "HIDDEN = 7168\nBENCH = [1, 8, 64]\n",
+    "oproj_jax/unrelated.py": "X = 1\n",
+    "oproj_jax/cute/__init__.py": "",
+    "oproj_jax/cute/kernel.py": (
+        "from oproj_jax.cute import primitives as P\n"
+        "def launch():\n    from . import row_stats\n    return row_stats, P\n"
+    ),
+    "oproj_jax/cute/publish.py": "from oproj_jax.cute.primitives import put\n",
+    "oproj_jax/cute/primitives.py": "from .. import ptx\ndef put(): return ptx.WAIT\n",
+    "oproj_jax/cute/row_stats.py": "import oproj_jax.cute.primitives\n",
+    "oproj_jax/cute/build.py": (
+        "ARCH = 'sm_90a'\n"
+        "FAMILY_R = (1, 2, 4)\n"
+        "def default_set():\n    from oproj_jax import configs\n    return configs.BENCH\n"
+        "def consumer_kernel(key):\n    from oproj_jax.cute.kernel import launch\n    return launch\n"
+        "def compile_variant(key):\n    return consumer_kernel(key), '--gpu-arch ' + ARCH\n"
+        "def compile_publish():\n    from oproj_jax.cute import publish\n    return publish\n"
+    ),
+}
+
+
+def fake_tree(root):
+    for name, text in FAKE_TREE.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def edit(path, line="# edited"):
+    path.write_text(path.read_text() + line + "\n")
+
+
+def test_fingerprint_covers_imports(tmp_path, monkeypatch, cubins):
+    """Every module of the device code's import closure is fingerprinted, however it is imported,
+    and the compile definitions of build.py; build.py's shape table and what only it imports are
+    not. A manifest built before a helper changed is refused, naming the rebuild command."""
+    root = fake_tree(tmp_path / "tree")
+    assert M.fingerprint_sources(root) == [
+        "oproj_jax/cute/kernel.py",
+        "oproj_jax/cute/primitives.py",
+        "oproj_jax/cute/publish.py",
+        "oproj_jax/cute/row_stats.py",
+        "oproj_jax/ptx.py",
+        "oproj_jax/cute/build.py:ARCH",
+        "oproj_jax/cute/build.py:consumer_kernel",
+        "oproj_jax/cute/build.py:compile_variant",
+        "oproj_jax/cute/build.py:compile_publish",
+    ]
+    before = M.source_fingerprint("4.8.1", root)
+    assert M.source_fingerprint("4.8.2", root) != before
+    for name in ("oproj_jax/ptx.py", "oproj_jax/cute/row_stats.py", "oproj_jax/cute/primitives.py"):
+        copy = fake_tree(tmp_path / name.replace("/", "_"))
+        edit(copy / name)
+        assert M.source_fingerprint("4.8.1", copy) != before, name
+    copy = fake_tree(tmp_path / "compile")
+    build = copy / "oproj_jax/cute/build.py"
+    build.write_text(build.read_text().replace("'--gpu-arch '", "'--gpu-arch  '"))
+    assert M.source_fingerprint("4.8.1", copy) != before
+    copy = fake_tree(tmp_path / "driver")  # the build driver's own helpers: the cubins stay valid
+    build = copy / "oproj_jax/cute/build.py"
+    build.write_text(build.read_text().replace("FAMILY_R = (1, 2, 4)", "FAMILY_R = (1, 2, 4, 8)"))
+    for name in ("oproj_jax/configs.py", "oproj_jax/unrelated.py", "oproj_jax/__init__.py", "oproj_jax/api.py"):
+        edit(copy / name)
+    assert M.source_fingerprint("4.8.1", copy) == before
+
+    # the installed sources are the fake tree: the manifest sealed from it is current until its
+    # imported helper changes, then it is refused by name
+    monkeypatch.setattr(M, "PACKAGE_ROOT", root)
+    M._installed_fingerprint.cache_clear()
+    try:
+        fake_ready_cubins(cubins, KEY)
+        assert M.stale_reason(M.load_manifest(cubins)) is None
+        assert backend.unavailable_reason("cuda") is None
+        edit(root / "oproj_jax/ptx.py")
+        M._installed_fingerprint.cache_clear()
+        reason = M.stale_reason(M.load_manifest(cubins))
+        assert reason is not None and "stale" in reason and "oproj_jax/ptx.py" in reason
+        assert M.REBUILD_COMMAND in reason and str(cubins) in reason
+        assert backend.unavailable_reason("cuda").startswith(reason)
+        with pytest.raises(ValueError, match="rebuild") as err:
+            backend._kernel(KEY, 1, ready=True)
+        assert M.REBUILD_COMMAND in str(err.value)
+    finally:
+        M._installed_fingerprint.cache_clear()
+
+
+def test_the_installed_fingerprint_covers_the_device_codes_imports():
+    sources = M.fingerprint_sources()
+    for name in ("kernel.py", "publish.py", "primitives.py", "row_stats.py"):
+        assert f"oproj_jax/cute/{name}" in sources
+    assert "oproj_jax/dsmem_ptx.py" in sources  # imported by primitives.py
+    assert not [name for name in sources if "missing" in name], sources
+    assert [f"oproj_jax/cute/build.py:{name}" for name in M.COMPILE_DEFINITIONS] == sources[-4:]
+    assert "oproj_jax/configs.py" not in sources  # the shape table only the build driver reads
+    assert M.source_fingerprint("4.8.1") == M.source_fingerprint("4.8.1", M.PACKAGE_ROOT)
+    assert M.source_fingerprint("4.8.2") != M.source_fingerprint("4.8.1")
 
 
 def test_an_intact_cubin_is_hashed_once_per_process(cubins, monkeypatch):

@@ -18,9 +18,18 @@ groups that own a slot), so every option with the same summation order finds the
 
 Integrity (seal() writes it, the checks below read it):
 * `stale_reason(manifest)`: the manifest's fingerprint must equal source_fingerprint() of the
-  installed kernel sources (FINGERPRINT_SOURCES) with the manifest's DSL version; otherwise the
-  cubins were built from other sources and the cute backend reports itself unavailable, naming
-  the rebuild command. A manifest without a fingerprint (built before fingerprints) is stale too.
+  installed sources with the manifest's DSL version; otherwise the cubins were built from other
+  sources and the cute backend reports itself unavailable, naming the rebuild command. A
+  manifest without a fingerprint (built before fingerprints) is stale too.
+* What the fingerprint covers (fingerprint_sources()): the device code's import closure, i.e.
+  FINGERPRINT_ROOTS (kernel.py, publish.py) and every `oproj_jax.*` module they import, directly
+  or through each other (primitives.py, row_stats.py, oproj_jax/dsmem_ptx.py, ...), found by
+  parsing their `import` statements with `ast` (imports inside functions included); plus the
+  compile step's own definitions in build.py (COMPILE_DEFINITIONS: the arch, the argument types,
+  the compile options) and the CuTe DSL version. The rest of build.py and what only it imports
+  (the default set, configs' shape table) is not covered: editing it leaves the cubins valid.
+  A package's __init__.py counts only where an import names the package itself (`from
+  oproj_jax.cute import X` with X not a module).
 * `verified_cubin_path(manifest, entry)`: a cubin whose sha256 differs from its entry's (edited,
   truncated, swapped) is refused with a ValueError naming the file and the rebuild command. Each
   file is hashed once per process (again only if its size or mtime changes), when first used.
@@ -28,6 +37,7 @@ Integrity (seal() writes it, the checks below read it):
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import json
@@ -44,8 +54,14 @@ _BOOL_FIELDS = ("has_delta", "twoshot")
 
 PACKAGE_DIR = Path(__file__).resolve().parent / "cubins"  # resolved once: asked for on every call
 SOURCE_DIR = Path(__file__).resolve().parent
-# The files whose bytes decide what the cubins contain (the kernel, its PTX helpers, the build).
-FINGERPRINT_SOURCES = ("kernel.py", "primitives.py", "row_stats.py", "publish.py", "build.py")
+PACKAGE = "oproj_jax"
+PACKAGE_ROOT = SOURCE_DIR.parent.parent  # the directory that holds oproj_jax/
+# The modules whose code becomes the cubins; their `oproj_jax.*` imports are followed ("Integrity").
+FINGERPRINT_ROOTS = ("oproj_jax.cute.kernel", "oproj_jax.cute.publish")
+# The build driver's module and its top-level definitions that decide what a compile emits; the
+# rest of that module (the default set) is not fingerprinted.
+COMPILE_MODULE = "oproj_jax.cute.build"
+COMPILE_DEFINITIONS = ("ARCH", "consumer_kernel", "compile_variant", "compile_publish")
 REBUILD_COMMAND = "python -m oproj_jax.build"  # cubins + manifest (and the FFI library)
 
 
@@ -208,27 +224,116 @@ def describe(key) -> str:
 # ---- integrity ------------------------------------------------------------------------------
 
 
-def source_fingerprint(dsl_version: str, source_dir: str | os.PathLike | None = None) -> str:
-    """sha256 (hex) over FINGERPRINT_SOURCES (name and bytes, in that order) in `source_dir`
-    (default: this package's cute/, hashed once per process and version) and the CuTe DSL
-    version: what a manifest's cubins were built from."""
-    if source_dir is None:
+def source_fingerprint(dsl_version: str, root: str | os.PathLike | None = None) -> str:
+    """sha256 (hex) over the CuTe DSL version and the sources a manifest's cubins are built from
+    (fingerprint_sources: each file's path, then its bytes, or the definition's source text),
+    read under `root`, the directory holding oproj_jax/ (default: this installation's, hashed
+    once per process and version)."""
+    if root is None:
         return _installed_fingerprint(dsl_version)
-    return _fingerprint(dsl_version, Path(source_dir))
+    return _fingerprint(dsl_version, Path(root))
 
 
 @functools.lru_cache(maxsize=8)
 def _installed_fingerprint(dsl_version: str) -> str:
-    return _fingerprint(dsl_version, SOURCE_DIR)
+    return _fingerprint(dsl_version, PACKAGE_ROOT)
 
 
-def _fingerprint(dsl_version: str, directory: Path) -> str:
+def _fingerprint(dsl_version: str, root: Path) -> str:
     digest = hashlib.sha256(f"cutlass_dsl={dsl_version}\0".encode())
-    for name in FINGERPRINT_SOURCES:
+    for name, text in _sources(root):
         digest.update(f"{name}\0".encode())
-        digest.update((directory / name).read_bytes())
+        digest.update(text)
         digest.update(b"\0")
     return digest.hexdigest()
+
+
+def fingerprint_sources(root: str | os.PathLike | None = None) -> list[str]:
+    """What source_fingerprint hashes, in order: the files of the device code's import closure
+    (paths relative to `root`, default this installation's) and the compile definitions
+    ("oproj_jax/cute/build.py:compile_variant"); "(missing)" marks one that was not found."""
+    return [name for name, _ in _sources(Path(root) if root is not None else PACKAGE_ROOT)]
+
+
+def _module_file(root: Path, module: str) -> Path | None:
+    """The file of `module` (dotted, under `root`): a module's .py or a package's __init__.py."""
+    base = root.joinpath(*module.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def _imported_modules(tree: ast.AST, module: str, is_package: bool, root: Path) -> list[str]:
+    """The `oproj_jax.*` modules that the statements of `tree` (of `module`) import: for `from A
+    import b`, A.b where that is a module, else A itself. Relative imports are resolved."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = module.split(".") if is_package else module.split(".")[:-1]
+                parts = parts[: len(parts) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.append(sub if alias.name != "*" and _module_file(root, sub) else base)
+    return [m for m in found if m == PACKAGE or m.startswith(PACKAGE + ".")]
+
+
+def _closure(root: Path, roots, definitions: list[ast.AST], module_of_definitions: str) -> list[str]:
+    """The modules `roots` and `definitions` (nodes of `module_of_definitions`) import, directly
+    or through each other, `roots` included; sorted."""
+    seen: set[str] = set()
+    pending = list(roots)
+    for node in definitions:
+        pending += _imported_modules(node, module_of_definitions, False, root)
+    while pending:
+        module = pending.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        path = _module_file(root, module)
+        if path is not None:
+            tree = ast.parse(path.read_bytes(), str(path))
+            pending += _imported_modules(tree, module, path.name == "__init__.py", root)
+    return sorted(seen)
+
+
+def _sources(root: Path) -> list[tuple[str, bytes]]:
+    """(name, bytes) of every source the fingerprint covers, in a fixed order ("Integrity")."""
+    definitions, texts = [], []
+    build_path = _module_file(root, COMPILE_MODULE)
+    build_name = COMPILE_MODULE.replace(".", "/") + ".py"
+    if build_path is not None:
+        text = build_path.read_text()
+        nodes = {}
+        for node in ast.parse(text, str(build_path)).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                nodes[node.name] = node
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                nodes.update({t.id: node for t in targets if isinstance(t, ast.Name)})
+        for name in COMPILE_DEFINITIONS:
+            node = nodes.get(name)
+            if node is not None:
+                definitions.append(node)
+                texts.append((f"{build_name}:{name}", ast.get_source_segment(text, node).encode()))
+            else:
+                texts.append((f"{build_name}:{name} (missing)", b""))
+    else:
+        texts.append((f"{build_name} (missing)", b""))
+    out = []
+    for module in _closure(root, FINGERPRINT_ROOTS, definitions, COMPILE_MODULE):
+        path = _module_file(root, module)
+        if path is None:
+            out.append((module.replace(".", "/") + ".py (missing)", b""))
+        else:
+            out.append((path.relative_to(root).as_posix(), path.read_bytes()))
+    return out + texts
 
 
 def file_sha256(path) -> str:
@@ -260,7 +365,7 @@ def stale_reason(manifest: dict) -> str | None:
     if recorded != source_fingerprint(version):
         return (
             f"the cubins in {where} are stale: their manifest's source fingerprint differs from the "
-            f"installed kernel sources (cute/{{{','.join(FINGERPRINT_SOURCES)}}} with CuTe DSL {version}); "
+            f"installed kernel sources ({', '.join(fingerprint_sources())} with CuTe DSL {version}); "
             f"rebuild them with `{REBUILD_COMMAND}`"
         )
     return None
