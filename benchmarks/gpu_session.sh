@@ -1,9 +1,8 @@
 #!/bin/bash
-# A GPU session in bounded stages; pick the stages that fit one device call (10 minutes):
+# GPU work in bounded stages; pick the stages that fit one device call (10 minutes):
 #   checks   the whole test suite (-n 8) || the wheel in .whl/ installed with pip and its GPU
 #            tests (every prebuilt cubin of the family, the contract, autodiff, backend choice)
-#            || with `sanitize` compute-sanitizer (benchmarks/sanitize.sh; after kernel changes)
-#            || with `ipc` the cross-process peer-memory probe (benchmarks/ipc_probe.py), in parallel
+#            || with `sanitize` compute-sanitizer (benchmarks/sanitize.sh; after kernel changes), in parallel
 #   record   the benchmark of record on GPU 0 (benchmarks/record.py: the chain slopes of
 #            $RECORD_BACKENDS (default cute,pallas) in every form in 3 processes, median; the decode
 #            step of $DECODE_BACKENDS (default cute) at $DECODE_TOKENS (default 1,64; empty: none)
@@ -13,8 +12,10 @@
 #            processes, median)
 #   tpproc   the TP step on 2 GPUs driven by 2 processes (jax.distributed, one GPU each; mode="peer"
 #            through CUDA IPC): python -m oproj_jax.bench.tp --processes 2, peer and psum
-#   decode   where the decode step's consumer share goes (benchmarks/decode_profile.py), XLA's
-#            default flags; with decode-flags also without command buffers and with WHILE in them
+#   timeline where a chain's time per call goes, kernel by kernel (benchmarks/chain_timeline.py),
+#            XLA's default flags and command buffers off, one process each
+#   decode   the decode step with and without the consumer, cute and reference, carried and concat
+#            mailboxes, one process (python -m oproj_jax.bench --decode-step)
 #   triton   the Triton kernel's variants: checks, torch CUDA-graph and JAX timings
 #            (benchmarks/triton_gpu.py)
 #   triton-record  the Triton record: 3 runs of triton_gpu.py over the default variants, merged
@@ -24,7 +25,7 @@
 # oproj_jax/_lib, oproj_jax/cute/cubins and .whl.
 # Usage on the GPU machine: bash benchmarks/gpu_session.sh OUTDIR checks,record,...
 set -u
-out=${1:-${OUT:-/tmp/oproj_session}}
+out=${1:-${OUT:-/tmp/oproj_gpu}}
 stages=${2:-checks}
 mkdir -p "$out"
 # never NVLS / multicast (banned on these machines); no XLA preallocation: the peer handler
@@ -42,7 +43,6 @@ has() { [[ ",$stages," == *",$1,"* ]]; }
 
 if has checks; then
   stage tests 400 python3 -m pytest -q -p no:cacheprovider -rfEx --tb=short -n 8 --dist loadfile &
-  has ipc && stage ipc 60 python3 benchmarks/ipc_probe.py --out "$out" &
   if has sanitize; then
     mkdir -p "$out/sanitize"
     bash benchmarks/sanitize.sh "$out/sanitize" 330 > "$out/sanitize.txt" 2>&1 &
@@ -57,7 +57,6 @@ if has checks; then
   fi
   tail -n 12 "$out/tests.txt"
   tail -n 8 "$out/wheel.txt"
-  has ipc && tail -n 15 "$out/ipc.txt"
 fi
 if has record; then
   # the first process times both forms with the profiler (~110 s), the others the donated form
@@ -81,21 +80,18 @@ if has tpproc && [ "$gpus" -ge 2 ]; then
     --modes peer,psum --chain 4,68 --processes-timeout 220 --json "$out/tpproc.json"
   grep -E "^peer|^psum|^mode|faster|exit|Error" "$out/tpproc.txt" | head -n 40
 fi
-if has decode; then
-  configurations=("default:" "concat:")
-  has decode-flags && configurations+=("no-cmdbuf:--xla_gpu_enable_command_buffer="
-    "while:--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL")
-  for cfg in "${configurations[@]}"; do
+if has timeline; then
+  for cfg in "default:" "no-cmdbuf:--xla_gpu_enable_command_buffer="; do
     label=${cfg%%:*}
-    mailbox=carried
-    [ "$label" = concat ] && mailbox=concat
-    stage decode-$label 90 env CUDA_VISIBLE_DEVICES=0 XLA_FLAGS="${cfg#*:}" python3 benchmarks/decode_profile.py \
-      --label "$label" --out "$out/decode-$label.json" --tokens 1,64 --backends cute --mailbox $mailbox
-    grep -E "^T=" "$out/decode-$label.txt"
+    stage timeline-$label 200 env CUDA_VISIBLE_DEVICES=0 XLA_FLAGS="${cfg#*:}" python3 benchmarks/chain_timeline.py \
+      --label "$label" --out "$out/timeline-$label.json" --tokens 1,8,64
+    tail -n 20 "$out/timeline-$label.txt"
   done
-  stage decode-step 100 env CUDA_VISIBLE_DEVICES=0 python3 -m oproj_jax.bench --decode-step --backends cute,reference \
-    --tokens 1,64 --json "$out/decode-step.json"
-  grep -E "^decode|consumer" "$out/decode-step.txt" | tail -n 8
+fi
+if has decode; then
+  stage decode-step 200 env CUDA_VISIBLE_DEVICES=0 python3 -m oproj_jax.bench --decode-step --backends cute,reference \
+    --tokens 1,64 --mailboxes carried,concat --json "$out/decode-step.json"
+  grep -E "^decode|consumer" "$out/decode-step.txt" | tail -n 12
 fi
 if has triton; then
   stage triton 240 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/triton_gpu.py --out "$out"

@@ -285,17 +285,3 @@ def test_trace_build_adds_timers_and_leaves_the_shipped_kernel_alone(built):
     shipped = (out / M.find(manifest, key, M.FOLDED)["cubin"]).read_bytes()
     assert build.compile_variant(key, M.FOLDED)["cubin_bytes"] == shipped
     assert traced != shipped and _elf_symbols(traced) == _elf_symbols(shipped)
-
-
-def test_phase_table_of_the_trace_buffer():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("cute_phases", "benchmarks/cute_phases.py")
-    phases = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(phases)
-    marks, slots = ("entry", "middle", "stored"), 5
-    # two CTAs: %clock64 at the 3 marks, %globaltimer at entry and exit in the last two slots
-    stamps = [[100, 150, 300, 5000, 7000], [1000, 1100, 1500, 5500, 7200]]
-    table = phases.phase_table(stamps, marks, slots)
-    assert table["marks"] == {"entry": (0, 0), "middle": (75.0, 100), "stored": (350.0, 500)}
-    assert table["cta_cycles"] == 350.0 and table["span_ns"] == 2200  # 5000 .. 7200

@@ -252,28 +252,6 @@ def test_row_layout_is_the_one_mosaic_loads(C):
 # ---- the in-kernel profiler (the trace itself comes from the GPU: benchmarks/pallas_phases.py)
 
 
-def test_phase_table_reads_a_mosaic_trace():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("pallas_phases", "benchmarks/pallas_phases.py")
-    phases = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(phases)
-    # two CTAs (tids), each: rank_sum [0, 3) then output [3, 4) (CTA 1 starts 1 us later, slower)
-    events = []
-    for tid, t0, k in ((1, 10.0, 1.0), (2, 11.0, 2.0)):
-        events += [
-            dict(name="rank_sum", ph="B", ts=t0, tid=tid),
-            dict(name="rank_sum", ph="E", ts=t0 + 3 * k, tid=tid),
-            dict(name="output", ph="B", ts=t0 + 3 * k, tid=tid),
-            dict(name="output", ph="E", ts=t0 + 4 * k, tid=tid),
-        ]
-    table = phases.phase_table({"traceEvents": events})
-    assert table["phases"]["rank_sum"] == dict(median_us=4.5, max_us=6.0, start_us=0.0)
-    assert table["phases"]["output"] == dict(median_us=1.5, max_us=2.0, start_us=4.5)
-    assert table["cta_us"] == 6.0 and table["span_us"] == 9.0  # 10 .. 19
-    assert "rank_sum" in phases.format_table(1, {}, table)
-
-
 def test_profiler_runs_on_the_gpu_and_is_refused_in_interpret_mode(tmp_path):
     # on a GPU the in-kernel profiler writes a trace of the named phases; interpret mode refuses it
     config = configs.Config(2, 1, 1)
