@@ -18,8 +18,19 @@ find_python312() {
   return 1
 }
 
+say() { echo "install.sh: $*"; }
+
 PY=$(find_python312) || { echo "install.sh: Python 3.12 not found (set PYTHON=/path/to/python3.12)" >&2; exit 1; }
-echo "install.sh: using $PY ($("$PY" --version))"
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
+say "using $PY ($("$PY" --version))"
+if [ -x .venv/bin/python ]; then
+  say "reusing the venv in .venv"
+else
+  say "creating a venv in .venv"
+  "$PY" -m venv .venv
+fi
+say "installing oproj_jax (editable) with the extras test,cute,triton,bench, pinned by constraints.txt"
+say "(pip downloads jax, torch, triton and the CuTe DSL the first time: a few minutes)"
 .venv/bin/python -m pip install -q -c constraints.txt -e ".[test,cute,triton,bench]"
+say "building the GPU artifacts: python -m oproj_jax.build (no GPU needed; the cubins take a few minutes)"
 .venv/bin/python -m oproj_jax.build
+say "done: run the tests with .venv/bin/python -m pytest -q"

@@ -16,6 +16,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 
 import pytest
@@ -27,10 +28,15 @@ CUBIN_DIR = ROOT / "oproj_jax" / "cute" / "cubins"
 
 def checkout_copy(dest: pathlib.Path) -> pathlib.Path:
     ignore = shutil.ignore_patterns(
-        ".venv", ".git", "build", "*.egg-info", "__pycache__", "_lib", ".dev", ".whl", ".pytest_cache"
-    )
+        ".venv*", ".git", "build", "*.egg-info", "__pycache__", "_lib", ".dev", ".whl", ".pytest_cache"
+    )  # .venv*: the development venvs (.venv, and .ci/run's .venv-newest)
     shutil.copytree(ROOT, dest, ignore=ignore)
     return dest
+
+
+def project_version() -> str:
+    with (ROOT / "pyproject.toml").open("rb") as f:
+        return tomllib.load(f)["project"]["version"]
 
 
 def index_unreachable() -> str | None:
@@ -111,6 +117,7 @@ def test_installed_wheel_runs_away_from_the_checkout(wheel, tmp_path):
         "from oproj_jax.cute import ffi\n"
         f"assert oproj_jax.__file__.startswith({str(target)!r}), oproj_jax.__file__\n"
         "assert ffi.unavailable_reason() is None, ffi.unavailable_reason()\n"
+        f"assert oproj_jax.__version__ == {project_version()!r}, oproj_jax.__version__\n"
         "x = jnp.ones((2, 1, 512), jnp.bfloat16); w = jnp.ones((512,), jnp.bfloat16)\n"
         "res = oproj_jax.consumer(x, x[0], jnp.zeros((1, 0, 512), jnp.bfloat16), w, w, w, backend='reference')\n"
         "print(float(res.prefix[0, 0]))\n"
@@ -143,3 +150,26 @@ def test_missing_library_reason_names_the_build_command(monkeypatch, tmp_path):
     assert "not built" in reason and ffi.BUILD_COMMAND in reason and str(tmp_path) in reason
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     assert "no C++ compiler" in ffi.unavailable_reason()
+
+
+def test_version_is_the_distributions():
+    import oproj_jax
+
+    assert oproj_jax.__version__ == project_version()
+
+
+def test_version_of_a_checkout_that_is_not_installed(monkeypatch, tmp_path):
+    """Without installed metadata (the checkout on sys.path only) the version is pyproject.toml's;
+    without either, a PEP 440 version that says it is unknown."""
+    from importlib import metadata
+
+    import oproj_jax
+
+    def not_installed(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", not_installed)
+    assert oproj_jax._version() == project_version()
+    assert oproj_jax._source_version(tmp_path / "pyproject.toml") is None
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "other"\n')
+    assert oproj_jax._source_version(tmp_path / "pyproject.toml") is None
