@@ -8,10 +8,11 @@ tensor-parallel step instead (python -m oproj_jax.bench.tp: every mode x backend
 Each process is `python -m oproj_jax.bench` (bench/timing.py: slope of unrolled chains of
 dependent calls) in the chain's forms, the first the record's `us`: "pipelined" (a decode
 loop's: the state donated from one execution to the next, no buffer moves, executions
-dispatched back to back, so the host's work per execution overlaps the device's; with
-`us_host`, the host's dispatch time per call, which a loop pays instead where it is the
-larger), "donated" (the same, every execution waited for: the host's work before each launch
-adds to the device's; `us_donated`) and, in the first process only, "rotated" (every buffer
+dispatched back to back, so the host's work per execution overlaps the device's; its `us` is
+max(`us_pipelined`, `us_host`), the slope or the host's dispatch time per call where that is
+the larger: what a caller dispatching back to back pays; its records carry `us_donated`, the
+same executables waited for), "donated" (every execution waited for: the host's work before
+each launch adds to the device's; `us_donated`) and, in the first process only, "rotated" (every buffer
 new each execution; `us_rotated`). The first process also takes the profiler's kernel time
 (`us_kernels`). Slopes move from one process to the next (the waited-for form's by several
 microseconds at T <= 64), so the record is the median over the processes, with every process's
@@ -93,8 +94,9 @@ def merge(runs: list[list[dict]], primary: str | None = None) -> list[dict]:
     view of one process of a mesh spanning several, None when one process drives the mesh).
     Where the chain ran in several forms (bench/timing.py BUFFERS), `us` is the `primary` form's
     median (default: the first form met) and `us_<form>` (with `us_<form>_runs`) each other
-    form's; `us_host` is the primary form's host dispatch time per call, where measured, and
-    `us_pipelined` the median of the records' own `us_pipelined` (bench.tp times both ways)."""
+    form's; `us_pipelined`, `us_host` and `us_donated` are the medians of the primary records'
+    own fields where they carry them (bench/timing.py's pipelined records and bench.tp's), a
+    separately timed form of the same name taking precedence."""
     by_key: dict[tuple, list[dict]] = {}
     others: dict[tuple, list[float]] = {}  # (form, *key): slopes
     for records in runs:
@@ -112,8 +114,12 @@ def merge(runs: list[list[dict]], primary: str | None = None) -> list[dict]:
     merged = []
     for (mode, backend, T, view), rs in sorted(by_key.items(), key=lambda kv: (kv[0][2], kv[0][0], kv[0][1], kv[0][3])):
         kernels = [r["us_kernels"] for r in rs if r.get("us_kernels") is not None]
-        hosts = [r["us_host"] for r in rs if r.get("us_host") is not None]
-        piped = [r["us_pipelined"] for r in rs if r.get("us_pipelined") is not None]  # bench.tp's records
+        forms = {f"us_{form}" for (form, *key) in others if tuple(key) == (mode, backend, T, view)}
+        own = {
+            name: values
+            for name in ("us_pipelined", "us_host", "us_donated")
+            if name not in forms and (values := [r[name] for r in rs if r.get(name) is not None])
+        }
         first = next((r for r in rs if not r.get("recovered_from_log")), rs[0])
         tp = dict(mode=mode, gpus=first.get("gpus")) if mode else {}
         if view >= 0:
@@ -137,8 +143,11 @@ def merge(runs: list[list[dict]], primary: str | None = None) -> list[dict]:
                     if any(r.get("recovered_from_log") for r in rs)
                     else {}
                 ),
-                **(dict(us_host=statistics.median(hosts), us_host_runs=hosts) if hosts else {}),
-                **(dict(us_pipelined=statistics.median(piped), us_pipelined_runs=piped) if piped else {}),
+                **{
+                    field: value
+                    for name, values in own.items()
+                    for field, value in ((name, statistics.median(values)), (f"{name}_runs", values))
+                },
                 **{
                     name: value
                     for (form, *key), slopes in sorted(others.items())

@@ -1,9 +1,14 @@
-"""CPU smoke tests of the benchmark harness (oproj_jax.bench): the CLI end to end on the
-reference at T=1, the JSON fields, the table, the plot, backend selection messages, and the
-harness's own pieces (prefix model, check flags, derived figures, slope)."""
+"""CPU smoke tests of the benchmark harness (oproj_jax.bench): the CLI off a GPU (it times
+nothing by default; --cpu-anyway is a plumbing pass on the reference at T=1 with no time
+printed), the records, the table and the plot on made-up figures, backend selection messages,
+and the harness's own pieces (prefix model, check flags, derived figures, slopes on a fake
+clock, the record's max rule)."""
 
+import contextlib
 import importlib.util
+import io
 import json
+import re
 import subprocess
 import sys
 import time
@@ -19,6 +24,7 @@ from oproj_jax import api, configs, reference, testing
 from oproj_jax.bench import __main__ as cli
 from oproj_jax.bench import backends as bench_backends
 from oproj_jax.bench import checks, inputs, report, runner, timing
+from oproj_jax.pallas import consumer as pallas_consumer
 
 TIMING_FIELDS = {
     "backend",
@@ -38,81 +44,124 @@ CHECK_FIELDS = {"backend", "config", "prefix_mismatch", "out_rel_l2"}
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
+OFF_GPU = pytest.mark.skipif(jax.default_backend() == "gpu", reason="the CLI off a GPU (here is one)")
+NEGATIVE = re.compile(r"(?<![\w.])-\d")  # a minus sign that starts a number (not "1.8e-03", "R2-T1", a date)
+PERCENT = re.compile(r"(\d+(?:\.\d+)?)\s*%")
+
+
+def run_cli(argv) -> dict:
+    """cli.main(argv) with its stdout and stderr captured, and how long it took."""
+    out, err = io.StringIO(), io.StringIO()
+    start = time.perf_counter()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli.main(argv)
+    return dict(rc=rc, stdout=out.getvalue(), stderr=err.getvalue(), seconds=time.perf_counter() - start)
+
+
+def assert_physical(text: str) -> None:
+    """No negative number and no percentage above 100 in what the CLI printed."""
+    assert not NEGATIVE.search(text), NEGATIVE.search(text)
+    assert all(float(p) <= 100.0 for p in PERCENT.findall(text)), PERCENT.findall(text)
+
+
+@OFF_GPU
+def test_cli_by_default_off_the_gpu_times_nothing_and_says_why(monkeypatch):
+    """Default arguments on a CPU: no timing at all (nothing a CPU measures is a performance
+    figure), a plain message saying so and what a GPU run would time, exit 0, in seconds; the
+    Pallas interpreter is never started."""
+    timed = []
+    monkeypatch.setattr(timing, "time_backend", lambda *a, **k: timed.append(a[0]))
+    monkeypatch.setattr(timing, "copy_bandwidth", lambda *a, **k: timed.append("copy"))
+    monkeypatch.setattr(pallas_consumer, "consumer_with", lambda *a, **k: timed.append("pallas"))
+    got = run_cli([])
+    assert got["rc"] == 0 and got["seconds"] < 60
+    assert "not performance figures" in got["stdout"] and "nothing is timed" in got["stdout"]
+    assert "On a CUDA GPU this command times every backend that can run there at T = 1,8,64,512,4096" in got["stdout"]
+    assert "--cpu-anyway" in got["stdout"]
+    assert_physical(got["stdout"] + got["stderr"])
+    assert "us/call" not in got["stdout"] and "GB/s" not in got["stdout"]
+    assert timed == []  # no chain, no copy roofline, no Pallas interpreter
+
+
 @pytest.fixture(scope="module")
-def cli_run(tmp_path_factory):
-    """One small CLI run (reference, T=1, R=2, NB=1, with --check), shared by the tests below."""
+def plumbing_run(tmp_path_factory):
+    """--cpu-anyway with the default backends on a small shape: the plumbing pass off the GPU."""
+    if jax.default_backend() == "gpu":
+        pytest.skip("the plumbing pass is the CLI off a GPU (here is one)")
     out = tmp_path_factory.mktemp("bench")
     json_path, plot_path = out / "r.json", out / "r.png"
-    argv = [
-        "--backends",
-        "reference",
-        "--tokens",
-        "1",
-        "--ranks",
-        "2",
-        "--nb",
-        "1",
-        "--reps",
-        "2",
-        "--check",
-        "--seed",
-        "5",
-        "--json",
-        str(json_path),
-        "--plot",
-        str(plot_path),
-    ]
-    capture = pytest.MonkeyPatch()
-    stdout = []
-    capture.setattr(sys, "stdout", types.SimpleNamespace(write=stdout.append, flush=lambda: None))
-    try:
-        start = time.perf_counter()
-        rc = cli.main(argv)
-        seconds = time.perf_counter() - start
-    finally:
-        capture.undo()
-    return dict(rc=rc, stdout="".join(stdout), json=json_path, plot=plot_path, seconds=seconds)
+    argv = ["--cpu-anyway", "--tokens", "1", "--ranks", "2", "--nb", "1", "--seed", "5"]
+    got = run_cli([*argv, "--json", str(json_path), "--plot", str(plot_path)])
+    return dict(got, json=json_path, plot=plot_path)
 
 
-def test_cli_runs_reference_quickly(cli_run):
-    assert cli_run["rc"] == 0
-    assert cli_run["seconds"] < 120, "the T=1 smoke run should take seconds on a CPU"
+def test_cli_cpu_anyway_checks_and_runs_the_chains_without_times(plumbing_run):
+    got = plumbing_run
+    assert got["rc"] == 0, got["stdout"] + got["stderr"]
+    assert got["seconds"] < 120, "the T=1 plumbing pass should take seconds on a CPU"
+    assert "not performance figures" in got["stdout"]
+    for figure in ("us/call", "us(host)", "GB/s", "% copy", "x ref", "roofline"):
+        assert figure not in got["stdout"], figure
+    rows = [line.split() for line in got["stdout"].splitlines()]
+    assert ["reference", "pipelined", "1", "R2-T1-NB1-G4", "ok", "ran"] in rows
+    assert_physical(got["stdout"] + got["stderr"])
+    # 'all' leaves the interpreted Pallas kernel out unless it is named
+    assert "not running pallas: off a GPU it runs in Mosaic GPU's interpreter" in got["stderr"]
+    assert not any(row and row[0] == "pallas" for row in rows)
 
 
-def test_cli_json_has_required_fields(cli_run):
-    records = json.loads(cli_run["json"].read_text())
+def test_cli_cpu_anyway_records_no_time(plumbing_run):
+    records = json.loads(plumbing_run["json"].read_text())
     kinds = [r["kind"] for r in records]
     assert kinds[0] == "header" and kinds.count("header") == 1
     header = records[0]
+    assert header["performance_figures"] is False and header["platform"] == jax.default_backend()
     assert {"jax", "jaxlib", "torch", "triton", "python", "driver"} <= set(header["versions"])
-    assert header["versions"]["jax"] == jax.__version__
-    assert header["device"] and header["date"]
-    (copy,) = [r for r in records if r["kind"] == "copy"]
-    assert copy["gbps"] > 0
-    (t,) = [r for r in records if r["kind"] == "timing"]
-    assert TIMING_FIELDS <= set(t)
-    assert (t["backend"], t["T"], t["R"], t["NB"], t["groups"]) == ("reference", 1, 2, 1, 4)
-    assert t["buffers"] == "pipelined"  # the CLI's default form, a decode loop's
-    assert t["us_host"] is not None  # the host's dispatch time per call, beside the slope
-    assert np.isfinite(t["us"]) and t["noise_us"] >= 0  # a loaded 2-core CPU can even give us <= 0
-    assert t["bytes"] == configs.min_bytes(configs.Config(2, 1, 1))
-    if t["us"] > 0:
-        assert t["speedup_vs_reference"] == pytest.approx(1.0)
-    (c,) = [r for r in records if r["kind"] == "check"]
-    assert CHECK_FIELDS <= set(c)
-    assert c["prefix_mismatch"] == 0 and c["out_rel_l2"] < testing.OUTPUT_REL_L2_TOL and c["ok"] is True
+    assert "timing" not in kinds and "copy" not in kinds  # nothing a CPU timed
+    (plumbing,) = [r for r in records if r["kind"] == "plumbing"]
+    assert (plumbing["backend"], plumbing["buffers"], plumbing["T"], plumbing["R"]) == ("reference", "pipelined", 1, 2)
+    assert not any(key.startswith("us") or key.startswith("t_k") for key in plumbing)
+    (check,) = [r for r in records if r["kind"] == "check"]
+    assert CHECK_FIELDS <= set(check) and check["ok"] is True
+    assert not plumbing_run["plot"].exists()
+    assert "not plotting: no performance figures off the GPU" in plumbing_run["stderr"]
 
 
-def test_cli_prints_the_table(cli_run):
-    out = cli_run["stdout"]
-    assert "us/call" in out and "% copy" in out and "x ref" in out
-    assert any(line.startswith("reference") and line.split()[1:3] == ["pipelined", "1"] for line in out.splitlines())
-    assert "copy bandwidth (roofline)" in out
+def _timing(us, pipelined=None, host=None, donated=None, buffers="pipelined", noise=0.5) -> timing.Timing:
+    t = timing.Timing(us, 8, 32, 30, 32, 1490.0, 1713.0, noise, buffers=buffers)
+    t.us_pipelined, t.us_host, t.us_donated = pipelined, host, donated
+    return t
 
 
-@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib is not installed (the bench extra)")
-def test_cli_writes_the_plot(cli_run):
-    assert cli_run["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+def test_timing_record_carries_what_a_caller_pays_and_its_parts():
+    config = configs.Config(16, 8, 8)
+    t = _timing(5.5, pipelined=5.1, host=5.5, donated=6.3)
+    record = runner._timing_record("pallas", config, t)
+    assert TIMING_FIELDS - {"gbps", "pct_roofline", "speedup_vs_reference"} <= set(record)
+    assert (record["us"], record["us_pipelined"], record["us_host"], record["us_donated"]) == (5.5, 5.1, 5.5, 6.3)
+    assert record["buffers"] == "pipelined" and record["bytes"] == configs.min_bytes(config)
+    report.derive([dict(kind="copy", gbps=4000.0), record])
+    assert TIMING_FIELDS <= set(record) and record["gbps"] == pytest.approx(record["bytes"] / 5.5 / 1e3)
+
+
+def test_timing_table_shows_every_form_and_only_physical_figures():
+    config = configs.Config(16, 1, 8)
+    ok = runner._timing_record("reference", config, _timing(40.0, pipelined=40.0, host=3.0, donated=44.0))
+    fast = runner._timing_record("cute", config, _timing(3.1, pipelined=3.1, host=None, donated=3.3))
+    noisy = runner._timing_record("pallas", config, _timing(-0.4, pipelined=-0.4, host=None, donated=-1.2))
+    records = [dict(kind="copy", gbps=40.0), ok, fast, noisy]  # cute's bytes at 3.1 us: above this copy
+    report.derive(records)
+    assert fast["pct_roofline"] > 100 and noisy["gbps"] is None and noisy["speedup_vs_reference"] is None
+    table = report.timing_table(records)
+    assert "copy bandwidth (roofline): 40 GB/s" in table
+    assert "us/call" in table and "us(pipe)" in table and "us(host)" in table and "us(wait)" in table
+    assert "% copy" in table and "x ref" in table
+    rows = {line.split()[0]: line.split() for line in table.splitlines() if line.split()[:1] in (["cute"], ["pallas"])}
+    assert rows["cute"][1:7] == ["pipelined", "1", "3.1", "3.1", "-", "3.3"]
+    assert rows["cute"][-2:] == [">100*", "12.90"]  # 40 / 3.1
+    assert rows["pallas"][3:7] == ["-", "-", "-", "-"]  # slopes below zero: within the noise, not shown
+    assert '">100*": more bytes per second than the copy measured in the same run moves' in table
+    assert_physical(table)
 
 
 def test_cli_says_why_a_backend_is_unavailable(capsys):
@@ -120,7 +169,8 @@ def test_cli_says_why_a_backend_is_unavailable(capsys):
     missing = [name for name, reason in status.items() if reason is not None]
     if not missing:
         pytest.skip("every backend runs here")
-    assert cli.main(["--backends", missing[0], "--tokens", "1"]) == 2
+    off_gpu = [] if jax.default_backend() == "gpu" else ["--cpu-anyway"]
+    assert cli.main([*off_gpu, "--backends", missing[0], "--tokens", "1"]) == 2
     err = capsys.readouterr().err
     assert f"not timing {missing[0]}: {status[missing[0]]}" in err
     assert "none of the requested backends can run here" in err
@@ -182,6 +232,20 @@ def test_checks_flag_a_broken_backend_registered_later(broken_backend):
     assert record["prefix_mismatch"] == 1 and record["prefix_mismatch_model"] == 1
     assert record["out_nonfinite"] == 1
     assert record["ok"] is False
+
+
+@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib is not installed (the bench extra)")
+def test_write_plot_draws_the_times(tmp_path):
+    config = configs.Config(16, 1, 8)
+    records = [
+        dict(kind="header", device="NVIDIA H200"),
+        dict(kind="copy", gbps=4000.0),
+        *(runner._timing_record("cute", configs.Config(16, t, 8), _timing(us, us)) for t, us in ((1, 3.1), (8, 4.2))),
+        runner._timing_record("pallas", config, _timing(-0.5, -0.5)),  # below zero: left off the log axis
+    ]
+    report.derive(records)
+    assert report.write_plot(records, str(tmp_path / "p.png")) is None
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_derive_fills_bandwidth_roofline_and_speedup():
@@ -282,6 +346,99 @@ def test_pipelined_slope_dispatches_back_to_back_and_waits_once(monkeypatch):
     assert len(waited) == 6 and all(w[0] == "result" for w in waited)  # one wait per sample
 
 
+class FakeGPU:
+    """A host and a device on one fake clock (us). An execution of a k-call chain takes the host
+    `host0 + k * host` to dispatch (the call returns then) and the device `prelude + k * device`,
+    starting once it is dispatched and the device is free; waiting on a result moves the clock
+    to its end."""
+
+    def __init__(self, host: float, device: float, host0: float = 20.0, prelude: float = 1000.0):
+        self.host, self.device, self.host0, self.prelude = host, device, host0, prelude
+        self.now = self.free = 0.0
+
+    def clock(self) -> float:  # perf_counter, in seconds
+        return self.now / 1e6
+
+    def chain(self, k: int):
+        def run(*args):
+            self.now += self.host0 + k * self.host
+            self.free = max(self.now, self.free) + self.prelude + k * self.device
+            return ("done", self.free)
+
+        return run
+
+    def wait(self, out):
+        self.now = max(self.now, out[1])
+        return out
+
+
+def _fake_figures(monkeypatch, gpu: FakeGPU, k1=1, k2=5, n=4):
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=gpu.clock))
+    monkeypatch.setattr(timing.jax, "block_until_ready", gpu.wait)
+    fn1, fn2 = gpu.chain(k1), gpu.chain(k2)
+    pipelined = timing.slope(fn1, fn2, lambda i: (), k1, k2, reps=3, warmup=1, pipelined=n)[0]
+    waited = timing.slope(fn1, fn2, lambda i: (), k1, k2, reps=3, warmup=0)[0]
+    host = timing.host_dispatch_us(fn1, fn2, k1, k2, reps=3)
+    return pipelined, host, waited, timing.caller_pays(pipelined, host)
+
+
+def test_a_host_slower_than_the_device_sets_what_a_caller_pays(monkeypatch):
+    """The prelude (1 ms per execution) lets the host catch up between executions, so the
+    pipelined slope stays near the device's 3 us per call although the host needs 7: a decode
+    loop, with no such pass between its steps, pays the 7. `us` takes the larger."""
+    pipelined, host, waited, us = _fake_figures(monkeypatch, FakeGPU(host=7.0, device=3.0), n=4)
+    assert pipelined == pytest.approx(3.0 + 7.0 / 4)  # device-bound, plus a quarter of the first dispatch
+    assert host == pytest.approx(7.0)
+    assert waited == pytest.approx(10.0)  # waited for: host and device one after the other
+    assert us == host and us > pipelined
+
+
+def test_a_device_slower_than_the_host_sets_what_a_caller_pays(monkeypatch):
+    pipelined, host, waited, us = _fake_figures(monkeypatch, FakeGPU(host=1.0, device=5.0), n=8)
+    assert pipelined == pytest.approx(5.0 + 1.0 / 8) and host == pytest.approx(1.0)
+    assert waited == pytest.approx(6.0) and us == pipelined
+
+
+def test_a_negative_host_difference_is_not_measured(monkeypatch):
+    """The host's dispatch time per call is a difference of two medians: where jitter makes it
+    negative it is reported as None (not measured), and `us` is the pipelined slope."""
+    gpu = FakeGPU(host=1.0, device=5.0)
+    gpu.chain = lambda k: FakeGPU.chain(gpu, k) if k == 1 else _quicker(gpu, k)
+    pipelined, host, _, us = _fake_figures(monkeypatch, gpu)
+    assert host is None and us == pipelined
+    assert timing.dispatch_slope(gpu.chain(1), gpu.chain(5), 1, 5, reps=3) < 0  # the difference as measured
+    assert timing.caller_pays(None, 2.0) == 2.0 and timing.caller_pays(None, None) is None
+
+
+def _quicker(gpu: FakeGPU, k: int):
+    """The k-call chain's dispatch returning 10 us sooner than the 1-call chain's."""
+    run = FakeGPU.chain(gpu, k)
+
+    def quick(*args):
+        before = gpu.now
+        out = run(*args)
+        gpu.now = before + gpu.host0 - 10.0
+        return out
+
+    return quick
+
+
+def test_time_backend_records_the_max_and_its_parts(monkeypatch):
+    """The pipelined form's Timing: us = max(us_pipelined, us_host), the waited slope of the same
+    executables beside them, on a real (CPU) chain with the host's figure stood in."""
+    config = configs.Config(2, 1, 1)
+    pool = inputs.DevicePool(inputs.host_case(config, 6), 3, l2_bytes=2**16)
+    monkeypatch.setattr(timing, "host_dispatch_us", lambda *a, **k: 1e6)
+    t = timing.time_backend("reference", pool, config, 1, 3, reps=1, profile=False, buffers="pipelined")
+    assert t.us == 1e6 and t.us_host == 1e6 and t.us_pipelined < 1e6 and t.us_donated is not None
+    assert "us = max(that slope, the host's dispatch time per call us_host)" in t.method
+    monkeypatch.setattr(timing, "host_dispatch_us", lambda *a, **k: None)
+    t = timing.time_backend("reference", pool, config, 1, 3, reps=1, profile=False, buffers="pipelined")
+    assert t.us == t.us_pipelined and t.us_host is None
+    t = timing.time_backend("reference", pool, config, 1, 3, reps=1, profile=False, buffers="donated")
+    assert t.us == t.us_donated and t.us_pipelined is None and t.us_host is None
+
+
 def test_pipelined_form_times_the_donated_chain():
     config = configs.Config(2, 1, 1)
     pool = inputs.DevicePool(inputs.host_case(config, 5), 3, l2_bytes=2**16)
@@ -326,6 +483,7 @@ def test_record_recovers_the_timings_a_stopped_process_logged(capsys):
     for t in (profiled, rotated, pipelined):
         runner._log_timing("cute", config, t)
     recovered = record.records_from_log("timed out after 100 s: " + capsys.readouterr().err)
+    pipelined_log = recovered[2]
     assert [(r["backend"], r["T"], r["buffers"], r["us"], r["us_kernels"]) for r in recovered] == [
         ("cute", 64, "donated", 9.5, 9.42),
         ("cute", 64, "rotated", 13.2, None),
@@ -347,6 +505,12 @@ def test_record_recovers_the_timings_a_stopped_process_logged(capsys):
     tp_runs = [[dict(recovered[0], mode="peer", gpus=2, us=u, us_pipelined=p)] for u, p in ((8.0, 6.0), (9.0, 5.0))]
     (merged,) = record.merge(tp_runs)
     assert merged["us"] == 8.5 and merged["us_pipelined_runs"] == [6.0, 5.0] and merged["us_pipelined"] == 5.5
+    # pipelined records carry their parts: us (the max rule per process), the slope, the host, the waited slope
+    parts = [(9.6, 9.3, 9.6, 10.4), (9.9, 9.9, None, 10.8), (9.4, 9.4, 1.2, 10.0)]
+    runs = [[dict(pipelined_log, us=u, us_pipelined=p, us_host=h, us_donated=d)] for u, p, h, d in parts]
+    (merged,) = record.merge(runs)
+    assert merged["us"] == 9.6 and merged["us_runs"] == [9.6, 9.9, 9.4]
+    assert merged["us_pipelined"] == 9.4 and merged["us_host_runs"] == [9.6, 1.2] and merged["us_donated"] == 10.4
 
 
 def test_record_takes_the_median_decode_step_over_processes():
@@ -422,7 +586,29 @@ def test_tp_step_timing_runs_on_cpu_devices():
     record = tp.time_combo(mesh, "psum", "reference", configs.Config(2, 1, 8, groups=4), 1, False, chain=(1, 3))
     assert (record["kind"], record["k1"], record["k2"], record["gpus"], record["processes"]) == ("timing", 1, 3, 2, 1)
     assert np.isfinite(record["us"]) and record["us_kernels"] is None
-    assert np.isfinite(record["us_pipelined"]) and "dispatched back to back" in record["method"]
-    slow_psum = dict(record, us=30.0, us_pipelined=24.0)
-    peer = dict(record, mode="peer", backend="cute", us=10.0, us_pipelined=6.0)
-    assert "peer/cute T=1: 3.0x faster than psum/reference (pipelined: 4.0x)" in tp.summary([slow_psum, peer])
+    assert np.isfinite(record["us_pipelined"]) and np.isfinite(record["us_donated"])
+    assert record["us_host"] is None or record["us_host"] >= 0  # a negative difference is not measured
+    assert record["us"] == timing.caller_pays(record["us_pipelined"], record["us_host"])
+    assert "dispatched back to back" in record["method"] and "us = max(us_pipelined, us_host)" in record["method"]
+    slow_psum = dict(record, us=24.0, us_donated=30.0)
+    peer = dict(record, mode="peer", backend="cute", us=6.0, us_donated=10.0)
+    noisy = dict(record, mode="oneshot", backend="cute", us=-0.5)
+    summary = tp.summary([slow_psum, peer, noisy])
+    assert "peer/cute T=1: 4.0x faster than psum/reference (waited for: 3.0x)" in summary
+    assert_physical(summary)
+
+
+def test_decode_step_table_names_the_device_and_shows_no_negative_share():
+    step = lambda backend, us, without: dict(  # noqa: E731
+        kind="decode_step", backend=backend, loop="scan", mailbox="carried", T=1, layers=16, us_step=us,
+        us_step_without_consumer=without, us_consumer_per_layer=(us - without) / 16, device="NVIDIA H200",
+    )  # fmt: skip
+    table = report.decode_step_table([step("cute", 560.0, 480.0), step("reference", 478.0, 480.0)])
+    assert table.splitlines()[0].endswith("on one NVIDIA H200")
+    rows = {line.split()[0]: line.split() for line in table.splitlines()[3:5]}
+    assert rows["cute"][-1] == "5.00" and rows["reference"][-1] == "-"
+    assert "did not take longer than without it (within the noise)" in table
+    assert_physical(table)
+    cpu = dict(step("reference", 0, 0), device="cpu")
+    plain = report.decode_step_table([cpu], figures=False)
+    assert plain.splitlines()[0].endswith("on one cpu") and "one GPU" not in plain and "us/step" not in plain

@@ -7,8 +7,17 @@
   python -m oproj_jax.bench --tp 2                           # TP modes over 2 GPUs, per decode step
   python -m oproj_jax.bench --tp 2 --processes 2             # the same, one process per GPU
 
-Prints a table: time per call, effective bandwidth (configs.min_bytes / time), % of the copy
-bandwidth measured in the same run, speedup over the reference. Progress goes to stderr.
+Prints a table: what a caller pays per call (bench/timing.py: the larger of the pipelined
+slope and the host's dispatch time per call, the waited-for slope beside them), effective
+bandwidth (configs.min_bytes / time), % of the copy bandwidth measured in the same run, speedup
+over the reference. Progress goes to stderr.
+
+Off a GPU (jax.default_backend() != "gpu") nothing is timed: times taken there are not
+performance figures (the kernels do not run there, or run in Mosaic GPU's interpreter, and a
+CPU's copy bandwidth is no roofline). The command says so, lists what it would time on a GPU
+and exits 0; --cpu-anyway runs a plumbing pass instead (each backend checked against the
+reference, its timing chains compiled and run, no time printed or recorded). The Pallas kernel
+is interpreted there: it runs only when named (--backends pallas).
 """
 
 from __future__ import annotations
@@ -41,20 +50,27 @@ def parse_args(argv):
         "--backends",
         default="all",
         help="comma-separated backend names from the registry, plus 'torch', 'cute-graph' and 'triton-torch' (PyTorch "
-        "launches in CUDA graphs); 'all' (default) = every one that can run here",
+        "launches in CUDA graphs); 'all' (default) = every one that can run here (off a GPU: not pallas, which "
+        "would run interpreted)",
+    )
+    parser.add_argument(
+        "--cpu-anyway",
+        action="store_true",
+        help="off a GPU: a plumbing pass instead of nothing (each backend checked against the reference, its timing "
+        "chains compiled and run once); no time is printed or recorded, as none would be a performance figure",
     )
     parser.add_argument(
         "--tokens",
         type=_int_list,
         default=None,
-        help=f"token counts T (default {','.join(map(str, configs.BENCH_T))} on GPU, 1,8 on CPU)",
+        help=f"token counts T (default {','.join(map(str, configs.BENCH_T))} on GPU, 1 for --cpu-anyway)",
     )
     parser.add_argument("--ranks", type=int, default=configs.TP, help="R, mailbox slots (default %(default)s)")
     parser.add_argument("--nb", type=int, default=8, help="completed blocks NB, 0..8 (default %(default)s)")
     parser.add_argument("--groups", type=int, default=4, help="rank-sum groups, 1..4 (default %(default)s)")
     parser.add_argument("--no-delta", action="store_true", help="has_delta=False (default: True)")
     parser.add_argument(
-        "--reps", type=int, default=None, help="timed executions per chain length (default 20 GPU, 5 CPU)"
+        "--reps", type=int, default=None, help="timed executions per chain length (default 20 GPU, 1 CPU)"
     )
     parser.add_argument("--seed", type=int, default=None, help="input seed (default: from the clock)")
     parser.add_argument("--check", action="store_true", help="check each backend against the reference first")
@@ -79,7 +95,9 @@ def parse_args(argv):
         help="time a jitted decode step of --layers layers (o-proj GEMM, consumer, MoE stand-in) "
         "with and without the consumer (bench/decode_step.py)",
     )
-    parser.add_argument("--layers", type=int, default=16, help="layers per decode step (default %(default)s)")
+    parser.add_argument(
+        "--layers", type=int, default=None, help="layers per decode step (default 16; 2 for --cpu-anyway)"
+    )
     parser.add_argument(
         "--mailboxes",
         default="carried,concat",
@@ -133,6 +151,62 @@ def parse_args(argv):
     return args
 
 
+def _wanted(args, status: dict[str, str | None], figures: bool) -> list[str]:
+    """The backends to run: named ones (known to `status`), or with 'all' every one that can run
+    here (off a GPU not pallas, which would run interpreted), each left out with its reason on
+    stderr."""
+    if args.backends == "all":
+        wanted = [name for name, reason in status.items() if reason is None]
+        for name, reason in status.items():
+            if reason is not None:
+                print(f"not timing {name}: {reason}", file=sys.stderr)
+        if not figures and "pallas" in wanted:
+            wanted.remove("pallas")
+            print(
+                "not running pallas: off a GPU it runs in Mosaic GPU's interpreter (slow); name it: --backends pallas",
+                file=sys.stderr,
+            )
+        return wanted
+    wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
+    for name in [b for b in wanted if status[b] is not None]:
+        print(f"not timing {name}: {status[name]}", file=sys.stderr)
+    return [b for b in wanted if status[b] is None]
+
+
+def gpu_plan(args, platform: str) -> str:
+    """What this command says off a GPU: why it times nothing, what it would time on a GPU."""
+    from oproj_jax import configs
+
+    tokens = ",".join(map(str, args.tokens or configs.BENCH_T))
+    backends = "every backend that can run there" if args.backends == "all" else f"backends {args.backends}"
+    if args.tp is not None:
+        what = f"the TP layer over {args.tp} GPUs (bench/tp.py), every mode x backend, per decode step"
+    elif args.decode_step:
+        what = (
+            f"a jitted decode step of {args.layers or 16} layers with and without the consumer ({backends}; "
+            f"mailboxes {args.mailboxes})"
+        )
+    else:
+        what = (
+            f"{backends} at T = {tokens}, R={args.ranks} NB={args.nb} groups={args.groups} "
+            f"has_delta={not args.no_delta}: "
+            f"the slope of unrolled chains of dependent calls in the {','.join(args.buffers)} form, "
+            f"{args.reps or 20} executions per chain length (bench/timing.py), what a caller pays per call with "
+            "the host's dispatch time and the waited-for slope beside it, the copy bandwidth as the roofline"
+            + ("" if args.no_profile else ", the profiler's kernel time")
+        )
+    return "\n".join(
+        [
+            f"platform {platform!r} has no GPU: times taken here are not performance figures, so nothing is timed.",
+            "The kernels do not run on this platform, or run in Mosaic GPU's interpreter, and its copy bandwidth is "
+            "no roofline: a time taken here says nothing about the op's speed.",
+            f"On a CUDA GPU this command times {what}.",
+            "Run it there; or pass --cpu-anyway for a plumbing pass here (each backend checked against the reference, "
+            "its timing chains compiled and run, no time printed).",
+        ]
+    )
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import jax
@@ -147,6 +221,16 @@ def main(argv=None) -> int:
 
         ffi.REGISTRATION = args.registration
     platform = jax.default_backend()
+    figures = platform == "gpu"  # times are performance figures on a GPU only
+    status = bench_backends.backend_status(platform)
+    if args.backends != "all":  # a name nothing knows is an error on every platform
+        unknown = [b for b in (b.strip() for b in args.backends.split(",")) if b and b not in status]
+        if unknown:
+            print(f"error: --backends: unknown {unknown}; known: {sorted(status)}", file=sys.stderr)
+            return 2
+    if not figures and not args.cpu_anyway:
+        print(gpu_plan(args, platform))
+        return 0
     if args.tp is not None:
         from oproj_jax.bench import tp
 
@@ -168,40 +252,35 @@ def main(argv=None) -> int:
             )
         tp.run(args.tp, args.tokens or [1, 8, 64], args.reps or 20, args.json)
         return 0
-    status = bench_backends.backend_status(platform)
-    if args.backends == "all":
-        wanted = [name for name, reason in status.items() if reason is None]
-        for name, reason in status.items():
-            if reason is not None:
-                print(f"not timing {name}: {reason}", file=sys.stderr)
-    else:
-        wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
-        unknown = [b for b in wanted if b not in status]
-        if unknown:
-            print(f"error: --backends: unknown {unknown}; known: {sorted(status)}", file=sys.stderr)
-            return 2
-        for name in [b for b in wanted if status[b] is not None]:
-            print(f"not timing {name}: {status[name]}", file=sys.stderr)
-        wanted = [b for b in wanted if status[b] is None]
+    wanted = _wanted(args, status, figures)
     if not wanted:
         print("error: none of the requested backends can run here", file=sys.stderr)
         return 2
-
-    tokens = args.tokens or (list(configs.BENCH_T) if platform == "gpu" else [1, 8])
-    if platform != "gpu" and max(tokens) > 64 and any(b != "reference" for b in wanted):
+    if not figures:
         print(
-            f"note: on {platform}, kernels run interpreted: large T (max {max(tokens)}) will be slow", file=sys.stderr
+            f"platform {platform!r} has no GPU: a plumbing pass, not performance figures: each backend is checked "
+            "against the reference and its timing chains compiled and run; no time is printed or recorded"
+        )
+
+    tokens = args.tokens or (list(configs.BENCH_T) if figures else [1])
+    if not figures and max(tokens) > 64 and "pallas" in wanted:
+        print(
+            f"note: on {platform}, pallas runs interpreted: large T (max {max(tokens)}) will be slow", file=sys.stderr
         )
     bench_configs = [
         configs.Config(args.ranks, t, args.nb, groups=args.groups, has_delta=not args.no_delta) for t in tokens
     ]
-    reps = args.reps or (20 if platform == "gpu" else 5)
+    reps = args.reps or (20 if figures else 1)
     seed = args.seed if args.seed is not None else int(time.time()) % 2**31
-    profile = platform == "gpu" and not args.no_profile
+    profile = figures and not args.no_profile
 
     records = [
         runner.header(
-            seed, status, argv=list(sys.argv[1:] if argv is None else argv), registration=args.registration or "record"
+            seed,
+            status,
+            argv=list(sys.argv[1:] if argv is None else argv),
+            registration=args.registration or "record",
+            performance_figures=figures,
         )
     ]
     if args.decode_step:
@@ -210,29 +289,42 @@ def main(argv=None) -> int:
         records += decode_step.run(
             wanted,
             tokens,
-            layers=args.layers,
-            reps=args.reps or 30,
+            layers=args.layers or (16 if figures else 2),
+            reps=args.reps or (30 if figures else 1),
+            repeats=5 if figures else 1,
             log=lambda m: print(m, file=sys.stderr, flush=True),
             mailboxes=args.mailboxes.split(","),
+            figures=figures,
         )
-        print(report.decode_step_table(records))
+        print(report.decode_step_table(records, figures=figures))
         if args.json:
             report.write_json(records, args.json)
         return 0
     cases = bench_inputs.HostCases(bench_configs, seed)
     try:
-        if args.check:
+        if args.check or not figures:  # the plumbing pass always checks: what it can say off the GPU
             records += runner.run_checks(wanted, bench_configs, cases)
-        records.append(runner.run_copy(platform, reps, profile))
+        if figures:
+            records.append(runner.run_copy(platform, reps, profile))
         records += runner.run_timings(
-            wanted, bench_configs, cases, platform, reps, profile, l2_warm=args.l2_warm, buffers=args.buffers
+            wanted,
+            bench_configs,
+            cases,
+            platform,
+            reps,
+            profile,
+            l2_warm=args.l2_warm,
+            buffers=args.buffers,
+            figures=figures,
         )
     finally:
         cases.close()
-    report.derive(records)
-
-    print(report.timing_table(records))
-    if args.check:
+    if figures:
+        report.derive(records)
+        print(report.timing_table(records))
+    else:
+        print(report.plumbing_table(records))
+    if args.check and figures:
         print()
         print(report.check_table(records))
     problems = report.problem_lines(records)
@@ -242,7 +334,7 @@ def main(argv=None) -> int:
         report.write_json(records, args.json)
         print(f"wrote {args.json}", file=sys.stderr)
     if args.plot:
-        why_not = report.write_plot(records, args.plot)
+        why_not = report.write_plot(records, args.plot) if figures else "no performance figures off the GPU"
         print(f"not plotting: {why_not}" if why_not else f"wrote {args.plot}", file=sys.stderr)
     errors = [r for r in records if r.get("kind") == "error"]
     failed = [r for r in records if r.get("kind") == "check" and not r["ok"]]

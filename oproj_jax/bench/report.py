@@ -6,9 +6,17 @@ Record kinds (one list, written as JSON):
   timing  : {"kind": "timing", "backend", "buffers", "T", "R", "NB", "groups", "has_delta", "us", "device",
              "date", "bytes", "gbps", "pct_roofline", "speedup_vs_reference", "method",
              "us_profiler", "us_kernels" (the kernels' busy time per call from the profiler),
-             "us_host" (pipelined form: the host's dispatch time per call), ...}
+             "us_pipelined", "us_host", "us_donated" (pipelined form: the pipelined slope, the
+             host's dispatch time per call, the waited-for slope; `us` = max(us_pipelined,
+             us_host), what a caller pays per call: bench/timing.py), ...}
   check   : {"kind": "check", "backend", "config", "prefix_mismatch", "out_rel_l2", "ok", ...}
   skipped : {"kind": "skipped", "backend", "reason", ...}
+  plumbing: {"kind": "plumbing", "backend", "buffers", "T", ...}: off the GPU, the timing chains
+             ran; no time is recorded there (a CPU's times are not performance figures)
+
+Every figure printed is a physical one: a time that is not measured, or a slope below zero
+(within the noise), shows as "-"; a bandwidth above the copy bandwidth measured in the same run
+is not shown as a percentage of it (a footnote says why).
 """
 
 from __future__ import annotations
@@ -31,21 +39,38 @@ def derive(records: list[dict]) -> None:
             copy.update(
                 us=variant["us"], gbps=variant["gbps"], gbps_profiler=None, method=f"best of: {variant['method']}"
             )
-    copy_gbps = copy["gbps"] if copy else None
+    copy_gbps = copy["gbps"] if copy and _positive(copy["gbps"]) else None  # a slope below zero: no roofline
     timings = [r for r in records if r.get("kind") == "timing"]
     key = lambda r: (r["T"], r["R"], r["NB"], r["groups"], r.get("buffers"))  # noqa: E731
-    reference_us = {key(r): r["us"] for r in timings if r["backend"] == "reference"}
+    reference_us = {key(r): r["us"] for r in timings if r["backend"] == "reference" and _positive(r["us"])}
     for r in timings:
-        r["gbps"] = r["bytes"] / r["us"] / 1e3 if r["us"] > 0 else None
+        us = r["us"] if _positive(r["us"]) else None
+        r["gbps"] = r["bytes"] / us / 1e3 if us else None
         r["pct_roofline"] = 100.0 * r["gbps"] / copy_gbps if (copy_gbps and r["gbps"]) else None
         ref = reference_us.get(key(r))
-        r["speedup_vs_reference"] = ref / r["us"] if (ref and r["us"] > 0) else None
+        r["speedup_vs_reference"] = ref / us if (ref and us) else None
 
 
-def _fmt(value, spec: str, missing: str = "-") -> str:
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return missing
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def time_cell(value, spec: str) -> str:
+    """A time (or any quantity that cannot be negative) as text: "-" when it is not measured, not
+    finite, or below zero (a difference of two medians within their noise)."""
+    if value is None or not math.isfinite(value) or value < 0:
+        return "-"
     return format(value, spec)
+
+
+OVER_COPY = "*"  # marks a bandwidth above the measured copy bandwidth
+
+
+def _pct_cell(pct) -> str:
+    """% of the copy bandwidth; above 100 it is no bandwidth (see timing_table's footnote)."""
+    if pct is None or not math.isfinite(pct):
+        return "-"
+    return f">100{OVER_COPY}" if pct > 100.0 else f"{pct:.1f}"
 
 
 def timing_table(records: list[dict]) -> str:
@@ -59,7 +84,9 @@ def timing_table(records: list[dict]) -> str:
         "buffers",
         "T",
         "us/call",
+        "us(pipe)",
         "us(host)",
+        "us(wait)",
         "us(prof)",
         "us(kern)",
         "us(1call)",
@@ -69,30 +96,42 @@ def timing_table(records: list[dict]) -> str:
     )
     lines = []
     if copy:
-        lines.append(f"copy bandwidth (roofline): {copy['gbps']:.0f} GB/s")
+        lines.append(f"copy bandwidth (roofline): {time_cell(copy['gbps'], '.0f')} GB/s")
     if rows:
         r0 = rows[0]
         lines.append(
             f"R={r0['R']} NB={r0['NB']} groups={r0['groups']} has_delta={r0.get('has_delta')}; "
             "bytes = configs.min_bytes (mailbox + prefix + blocks read, prefix + output written)"
         )
+        lines.append(
+            "us/call: what a caller pays per call = max(us(pipe), us(host)) for the pipelined form (executions "
+            "dispatched back to back); us(wait): the same executables, each waited for"
+        )
     table = [head] + [
         (
             r["backend"],
             r.get("buffers") or "-",
             str(r["T"]),
-            _fmt(r["us"], ".1f"),
-            _fmt(r.get("us_host"), ".1f"),
-            _fmt(r.get("us_profiler"), ".1f"),
-            _fmt(r.get("us_kernels"), ".1f"),
-            _fmt(r.get("us_profiler_single"), ".1f"),
-            _fmt(r.get("gbps"), ".0f"),
-            _fmt(r.get("pct_roofline"), ".1f"),
-            _fmt(r.get("speedup_vs_reference"), ".2f"),
+            time_cell(r["us"], ".1f"),
+            time_cell(r.get("us_pipelined"), ".1f"),
+            time_cell(r.get("us_host"), ".1f"),
+            time_cell(r.get("us_donated"), ".1f"),
+            time_cell(r.get("us_profiler"), ".1f"),
+            time_cell(r.get("us_kernels"), ".1f"),
+            time_cell(r.get("us_profiler_single"), ".1f"),
+            time_cell(r.get("gbps"), ".0f"),
+            _pct_cell(r.get("pct_roofline")),
+            time_cell(r.get("speedup_vs_reference"), ".2f"),
         )
         for r in rows
     ]
-    return "\n".join(lines + _render(table))
+    notes = ['"-": not measured, or a slope below zero (within the noise: raise --reps)']
+    if any((r.get("pct_roofline") or 0) > 100.0 for r in rows):
+        notes.append(
+            f'">100{OVER_COPY}": more bytes per second than the copy measured in the same run moves, so no '
+            "bandwidth: the slope is within its noise (noise_us in the JSON) or the inputs were served from cache"
+        )
+    return "\n".join(lines + _render(table) + notes)
 
 
 def _render(table: list[tuple[str, ...]]) -> list[str]:
@@ -106,29 +145,53 @@ def _render(table: list[tuple[str, ...]]) -> list[str]:
     return lines
 
 
-def decode_step_table(records: list[dict]) -> str:
-    """The decode-step records: step time with and without the consumer, its share per layer."""
+def decode_step_table(records: list[dict], figures: bool = True) -> str:
+    """The decode-step records: step time with and without the consumer, its share per layer;
+    figures=False (off the GPU): which steps ran, without their times."""
     rows = sorted(
         (r for r in records if r.get("kind") == "decode_step"),
         key=lambda r: (r["T"], r.get("mailbox", ""), r["loop"], r["backend"]),
     )
-    head = ("backend", "mailbox", "loop", "T", "us/step", "us/step w/o", "us consumer/layer")
+    head = ("backend", "mailbox", "loop", "T")
+    if figures:
+        head += ("us/step", "us/step w/o", "us consumer/layer")
     table = [head] + [
-        (
-            r["backend"],
-            r.get("mailbox", "concat"),
-            r["loop"],
-            str(r["T"]),
-            _fmt(r["us_step"], ".1f"),
-            _fmt(r["us_step_without_consumer"], ".1f"),
-            _fmt(r["us_consumer_per_layer"], ".2f"),
+        (r["backend"], r.get("mailbox", "concat"), r["loop"], str(r["T"]))
+        + (
+            (
+                time_cell(r["us_step"], ".1f"),
+                time_cell(r["us_step_without_consumer"], ".1f"),
+                time_cell(r["us_consumer_per_layer"], ".2f"),
+            )
+            if figures
+            else ()
         )
         for r in rows
     ]
     layers = rows[0]["layers"] if rows else "?"
-    return "\n".join(
-        [f"decode step of {layers} layers (o-proj GEMM, consumer, MoE stand-in), one GPU"] + _render(table)
+    device = rows[0].get("device") if rows else None
+    title = f"decode step of {layers} layers (o-proj GEMM, consumer, MoE stand-in)" + (
+        f" on one {device}" if device else ""
     )
+    notes = []
+    if figures and any(r["us_consumer_per_layer"] is None or r["us_consumer_per_layer"] < 0 for r in rows):
+        notes.append('"-" per layer: the step with the consumer did not take longer than without it (within the noise)')
+    if not figures:
+        notes.append("the steps compiled and ran; no time is shown off the GPU")
+    return "\n".join([title] + _render(table) + notes)
+
+
+def plumbing_table(records: list[dict]) -> str:
+    """Off the GPU: which backends passed their checks and whose timing chains ran, no times."""
+    checks = {(r["backend"], r["config"]): r for r in records if r.get("kind") == "check"}
+    head = ("backend", "buffers", "T", "config", "check", "timing chains")
+    table = [head]
+    for r in records:
+        if r.get("kind") == "plumbing":
+            check = checks.get((r["backend"], r["config"]))
+            verdict = "-" if check is None else ("ok" if check["ok"] else "FAIL")
+            table.append((r["backend"], r["buffers"] or "-", str(r["T"]), r["config"], verdict, "ran"))
+    return "\n".join(_render(table)) if len(table) > 1 else ""
 
 
 def check_table(records: list[dict]) -> str:
@@ -196,6 +259,7 @@ def write_plot(records: list[dict], path: str) -> str | None:
             (r for r in timings if r["backend"] == backend and (r.get("buffers") or "") == buffers),
             key=lambda r: r["T"],
         )
+        rows = [r for r in rows if _positive(r["us"])]  # a log axis: no time below zero
         label = f"{backend} ({buffers})" if buffers else backend
         ax.plot([r["T"] for r in rows], [r["us"] for r in rows], marker="o", label=label)
     if copy and timings:

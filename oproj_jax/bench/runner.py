@@ -14,6 +14,7 @@ import jax
 from oproj_jax import api, configs
 from oproj_jax.bench import backends as bench_backends
 from oproj_jax.bench import inputs as bench_inputs
+from oproj_jax.bench import report
 from oproj_jax.bench import timing as bench_timing
 from oproj_jax.bench.checks import Checker
 
@@ -137,7 +138,8 @@ def run_checks(backends: list[str], config_list, cases: bench_inputs.HostCases) 
                 reference_prefix = prefix
             records.append(record)
             log(
-                f"check {n + 1}/{len(config_list)} {config.name:24s} {name:10s} prefix!=ref {record['prefix_mismatch']} "
+                f"check {n + 1}/{len(config_list)} {config.name:24s} {name:10s} "
+                f"prefix!=ref {record['prefix_mismatch']} "
                 f"!=model {record['prefix_mismatch_model']}  rel_l2 {record['out_rel_l2']:.2e}  "
                 f"nonfinite {record['out_nonfinite']}  {'ok' if record['ok'] else 'FAIL'}"
             )
@@ -154,7 +156,8 @@ def run_copy(platform: str, reps: int, profile: bool) -> dict:
     for r in results:
         gbps_profiler = r.bytes_per_copy / r.us_profiler / 1e3 if r.us_profiler else None
         log(
-            f"copy {r.kind}: {r.gbps:.0f} GB/s ({r.us:.1f} us per {r.bytes_per_copy / 2**20:.0f} MiB moved, "
+            f"copy {r.kind}: {report.time_cell(r.gbps, '.0f')} GB/s ({report.time_cell(r.us, '.1f')} us per "
+            f"{r.bytes_per_copy / 2**20:.0f} MiB moved, "
             f"noise ~{r.noise_us:.1f} us)" + (f"; profiler {gbps_profiler:.0f} GB/s" if gbps_profiler else "")
         )
         variants.append(
@@ -190,8 +193,10 @@ def _timing_record(name: str, config: configs.Config, t) -> dict:
         buffers=t.buffers,
         **bench_timing.shape_fields(config),
         config=config.name,
-        us=t.us,
+        us=t.us,  # what a caller pays per call (bench/timing.py); the figures it is taken from beside it
+        us_pipelined=t.us_pipelined,
         us_host=t.us_host,
+        us_donated=t.us_donated,
         device=device_name(),
         date=today(),
         bytes=configs.min_bytes(config),
@@ -215,18 +220,46 @@ def _timing_record(name: str, config: configs.Config, t) -> dict:
 
 
 def _log_timing(name: str, config: configs.Config, t) -> None:
+    """One line per timing (benchmarks/record.py reads it back from a stopped process's log).
+    A time that is not measured, or a slope below zero (within the noise), shows as "-"."""
+    us = report.time_cell
     profiler = ""
     if t.us_profiler is not None:
-        kernels = f", kernels {t.us_profiler_kernels:.2f}" if t.us_profiler_kernels is not None else ""
-        kernels += f", busy {t.us_profiler_busy:.2f}" if t.us_profiler_busy is not None else ""
-        profiler = f"  (profiler {t.us_profiler:.1f}{kernels})"
+        kernels = f", kernels {us(t.us_profiler_kernels, '.2f')}" if t.us_profiler_kernels is not None else ""
+        kernels += f", busy {us(t.us_profiler_busy, '.2f')}" if t.us_profiler_busy is not None else ""
+        profiler = f"  (profiler {us(t.us_profiler, '.1f')}{kernels})"
+    forms = ""
+    if t.buffers == "pipelined":
+        forms = (
+            f"  (pipelined {us(t.us_pipelined, '.2f')}, host {us(t.us_host, '.2f')}, waited {us(t.us_donated, '.2f')})"
+        )
+    quiet = t.us is None or t.us <= 2 * t.noise_us
     log(
-        f"time T={config.T:5d} {name:10s} {t.buffers or '':8s} {t.us:9.1f} us/call"
+        f"time T={config.T:5d} {name:10s} {t.buffers or '':8s} {us(t.us, '9.1f'):>9s} us/call"
         + profiler
-        + (f"  (1-call jit profiler {t.us_profiler_single:.1f})" if t.us_profiler_single is not None else "")
-        + (f"  (host {t.us_host:.2f} us/call)" if t.us_host is not None else "")
+        + (f"  (1-call jit profiler {us(t.us_profiler_single, '.1f')})" if t.us_profiler_single is not None else "")
+        + forms
         + f"  [t(K1)={t.t_k1_us:.0f} t(K2)={t.t_k2_us:.0f} us, noise ~{t.noise_us:.1f} us/call]"
-        + ("  WARNING: not above the noise, raise --reps" if t.us <= 2 * t.noise_us else "")
+        + ("  WARNING: not above the noise, raise --reps" if quiet else "")
+    )
+
+
+def _plumbing_record(name: str, config: configs.Config, t) -> dict:
+    """A timing run off the GPU: that the chains compiled and ran, without their times (a CPU's
+    times are not performance figures)."""
+    return dict(
+        kind="plumbing",
+        backend=name,
+        buffers=t.buffers,
+        **bench_timing.shape_fields(config),
+        config=config.name,
+        k1=t.k1,
+        k2=t.k2,
+        reps=t.reps,
+        device=device_name(),
+        platform=jax.default_backend(),
+        date=today(),
+        note="the timing chains compiled and ran; no time is recorded off the GPU",
     )
 
 
@@ -239,10 +272,12 @@ def run_timings(
     profile: bool,
     l2_warm: bool = False,
     buffers=(bench_timing.RECORD_FORM,),
+    figures: bool = True,
 ) -> list[dict]:
     """JAX backends first, T by T; then the torch baseline in its own process (its CUDA graphs
     and profiler must not share a process with JAX: CUPTI takes one subscriber, and a failed
-    capture poisons the other library's stream)."""
+    capture poisons the other library's stream). figures=False (off the GPU): the chains run,
+    and each gives a "plumbing" record without times."""
     records = []
     jax_names = [b for b in backends if b not in bench_backends.TORCH_PROCESS]
     for config in config_list if jax_names else ():
@@ -271,6 +306,12 @@ def run_timings(
                     t = bench_timing.time_backend(name, pool, config, k1, k2, reps, profile and first, buffers=form)
                 except Exception as err:
                     records.append(_error(name, f"timing {config.name} {form}", err))
+                    continue
+                if not figures:
+                    records.append(_plumbing_record(name, config, t))
+                    log(
+                        f"plumbing T={config.T} {name} {form}: the timing chains compiled and ran (no time off the GPU)"
+                    )
                     continue
                 if l2_warm:
                     t.method_text = "L2-WARM (diagnostic: one input set reused by every call): " + t.method
@@ -306,7 +347,8 @@ def run_torch_timings(
                 log(f"torch copy bandwidth not measured: {variant}")
             else:
                 log(
-                    f"copy torch: {variant['gbps']:.0f} GB/s ({variant['us']:.1f} us, noise ~{variant['noise_us']:.1f} us)"
+                    f"copy torch: {variant['gbps']:.0f} GB/s ({variant['us']:.1f} us, "
+                    f"noise ~{variant['noise_us']:.1f} us)"
                 )
                 records.append({**variant, "kind": "copy_variant", "variant": variant["kind"]})
         for config in config_list:

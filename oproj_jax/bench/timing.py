@@ -18,20 +18,40 @@ Three forms of the chain (BUFFERS):
   to the next by donation, so no buffer moves between executions; executions are dispatched
   back to back (PIPELINE per sample, waited for once), as a jitted decode loop that keeps its
   state on the device runs them: the host prepares execution i+1 while the device runs
-  execution i. The slope is then the device's time per call, unless the host's dispatch time
-  per call (`us_host`, dispatch_slope, measured beside it) is the larger: a loop pays that.
+  execution i. Its record carries the three figures of that loop's chains (below).
 - "donated": the same, every execution waited for before the next is dispatched, so the host's
   work before each launch (XLA's stages of every thunk, such as a custom call's prepare and
-  initialize) adds to the device's time, as in a loop that reads its results every step. Its
-  slopes scatter by several us per call between processes at T <= 64 (the host's jitter).
+  initialize) adds to the device's, as in a loop that reads its results every step. Its slopes
+  scatter by several us per call between processes at T <= 64 (the host's jitter).
 - "rotated": executions cycle through lists of input copies (inputs.DevicePool) and every
   output is a new allocation, so every buffer moves between executions. Inside XLA's command
   buffer (a CUDA graph) each moved buffer is a graph update before the launch, host work per
   call that a loop with donated state does not pay (docs/perf.md).
+
 Every form starts with a pass over a large buffer (_prelude): it evicts L2, so every call
 reads its inputs from HBM, and it keeps the device busy until the host is done with the
 execution, so the device's time per call is never hidden behind the host's work in the
 shorter chain.
+
+What a decode loop pays per call, and which figure says it. A pipelined Timing (and its
+record) carries all three beside `us`:
+- `us_donated`, the waited form's slope on the same executables: a loop that waits for every
+  step (it reads a result on the host, say) pays the host's work and the device's one after
+  the other.
+- `us_pipelined`, the pipelined slope: the device's time per call, what a loop that keeps its
+  state on the device and dispatches its steps back to back pays while its host keeps ahead.
+- `us_host`, the host's own dispatch time per call (host_dispatch_us: how long fn() takes to
+  return, on the host's clock, the K2 chain less the K1 chain, over K2 - K1): what such a loop
+  pays instead where it is the larger, the host then being the bottleneck. The difference of
+  two medians can come out negative from the host's jitter: that is an artefact, reported as
+  not measured (None), never as a negative time.
+- `us` = max(us_pipelined, us_host): what a caller dispatching back to back pays per call,
+  the record's figure. Why the max: the prelude (about 1 ms on the H200 before the first call
+  of every pipelined execution) gives the host slack to prepare the next execution that a
+  decode loop, whose steps follow each other without such a pass, does not have, so the slope
+  alone could hide a host slower than the device.
+The waited form's Timing has `us` = `us_donated` (its host work is inside the slope already);
+the rotated form's `us` is its slope.
 """
 
 from __future__ import annotations
@@ -71,7 +91,7 @@ CPU_CACHE_BYTES = 32 * 2**20  # a generous last-level cache for the CPU runs
 
 @dataclasses.dataclass
 class Timing:
-    us: float  # per-call device time from the chain slope
+    us: float  # what a caller pays per call (module docstring): the slope, or caller_pays(...) for pipelined
     k1: int
     k2: int
     reps: int  # timed executions per chain length
@@ -91,9 +111,11 @@ class Timing:
     profiler_single_note: str | None = None
     method_text: str | None = None  # set by timers that measure differently (torch: CUDA graphs)
     buffers: str | None = None  # the chain's form (BUFFERS); None: not a chain (method_text says what)
-    # pipelined form: the host's time per call to dispatch an execution (dispatch_slope); the
-    # pipelined slope is what a back-to-back loop pays as long as this stays below it
+    # pipelined form: the host's time per call to dispatch an execution (host_dispatch_us); None
+    # where not measured, or where the difference came out negative (an artefact of the host's jitter)
     us_host: float | None = None
+    us_pipelined: float | None = None  # the pipelined slope (pipelined form)
+    us_donated: float | None = None  # the waited form's slope (pipelined form: on the same executables)
 
     @property
     def method(self) -> str:
@@ -109,6 +131,11 @@ class Timing:
         else:
             sets = f"{self.n_sets} distinct input sets rotated, new output buffers every execution"
         sets += ", each execution after a prelude pass that evicts L2 (L2-cold)"
+        if self.buffers == "pipelined":
+            sets += (
+                "; us = max(that slope, the host's dispatch time per call us_host); us_donated: the same "
+                "executables, each execution waited for"
+            )
         return (
             f"slope of unrolled chains of dependent calls in one jit: (t(K2)-t(K1))/(K2-K1), "
             f"K1={self.k1}, K2={self.k2}, median of {self.reps} executions each, {sets}"
@@ -267,10 +294,27 @@ def dispatch_us(fn, args=(), reps: int = 10) -> float:
     return statistics.median(times)
 
 
-def dispatch_slope(fn1, fn2, k1: int, k2: int, reps: int) -> float:
-    """The host's dispatch time per call of a donated loop's chains: (dispatch(K2) -
-    dispatch(K1)) / (K2 - K1), dispatch_us of each."""
-    return (dispatch_us(fn2, reps=reps) - dispatch_us(fn1, reps=reps)) / (k2 - k1)
+def dispatch_slope(fn1, fn2, k1: int, k2: int, reps: int, args_of=lambda i: ()) -> float:
+    """The difference behind the host's dispatch time per call of the chains: (dispatch(K2) -
+    dispatch(K1)) / (K2 - K1), dispatch_us of each (on args_of(0)), as measured: the jitter of
+    two medians can make it negative. Records take host_dispatch_us."""
+    return (dispatch_us(fn2, args_of(0), reps=reps) - dispatch_us(fn1, args_of(0), reps=reps)) / (k2 - k1)
+
+
+def host_dispatch_us(fn1, fn2, k1: int, k2: int, reps: int, args_of=lambda i: ()) -> float | None:
+    """The host's dispatch time per call (`us_host`): dispatch_slope, or None where that comes
+    out negative: the host cannot take less time to dispatch more calls, so a negative
+    difference is an artefact of its jitter, not a measurement."""
+    per_call = dispatch_slope(fn1, fn2, k1, k2, reps, args_of)
+    return per_call if per_call >= 0 else None
+
+
+def caller_pays(us_pipelined: float | None, us_host: float | None) -> float | None:
+    """What a caller that dispatches its calls back to back pays per call: the larger of the
+    pipelined slope (the device's time) and the host's dispatch time per call, either of them
+    where the other is not measured (module docstring)."""
+    known = [us for us in (us_pipelined, us_host) if us is not None]
+    return max(known) if known else None
 
 
 def mad(values) -> float:
@@ -338,8 +382,13 @@ def time_backend(
     pipelined = PIPELINE if buffers == "pipelined" else 0
     us, m1, m2, noise = slope(fn1, fn2, args_of, k1, k2, reps, pipelined=pipelined)
     timing = Timing(us, k1, k2, reps, n_sets, m1, m2, noise, buffers=buffers)
-    if pipelined:
-        timing.us_host = dispatch_slope(fn1, fn2, k1, k2, reps)
+    if buffers == "donated":
+        timing.us_donated = us
+    elif pipelined:  # the three figures of a decode loop's chains, and what a caller pays
+        timing.us_pipelined = us
+        timing.us_donated = slope(fn1, fn2, args_of, k1, k2, reps, warmup=0)[0]
+        timing.us_host = host_dispatch_us(fn1, fn2, k1, k2, reps)
+        timing.us = caller_pays(timing.us_pipelined, timing.us_host)
     if profile:
         profiled = profiled_slope(fn1, fn2, args_of, k1, k2)
         timing.us_profiler, timing.profiler_note, timing.us_profiler_kernels, timing.us_profiler_busy = profiled

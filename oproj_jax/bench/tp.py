@@ -5,8 +5,10 @@
 For each mode (oneshot, twoshot, psum, peer) and backend (reference, pallas, cute; peer with
 cute only) at R = the number of GPUs, NB=8, has_delta, groups=4: the time per decode step, as
 the slope of unrolled jitted chains of K dependent steps (timing.slope: (t(K2)-t(K1))/(K2-K1),
-median wall times; every execution waited for, and `us_pipelined` with executions dispatched
-back to back), every step on its own input set (partial [R, T, H] sharded over the ranks,
+median wall times), in the record form of bench/timing.py: `us` = max(`us_pipelined`, `us_host`)
+(the slope with executions dispatched back to back, the host's dispatch time per step), what a
+caller dispatching back to back pays, and `us_donated` the slope with every execution waited
+for; every step on its own input set (partial [R, T, H] sharded over the ranks,
 blocks), the prefix threaded through the chain, every output kept live. `us_kernels`: the
 profiler's kernel time per step and device (all GPUs' kernel time / steps / R); for peer it
 includes the time a consumer spends polling for its peers and a publish kernel waiting for a
@@ -39,6 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from oproj_jax import configs, processes
 from oproj_jax.bench import timing
+from oproj_jax.bench.report import time_cell
 from oproj_jax.cute import manifest, peer
 from oproj_jax.sharded import tp_consumer
 
@@ -118,10 +121,11 @@ def time_combo(
     args_of = _inputs(mesh, config, seed=config.T, k2=K2)
     if mode == "peer":  # fail fast (a few timeouts, not a whole timing) when a rank cannot take part
         peer.check_status(fn1(*args_of(0))[2])
-    us, t1, t2, noise = timing.slope(fn1, fn2, args_of, K1, K2, reps)
+    us_donated, t1, t2, noise = timing.slope(fn1, fn2, args_of, K1, K2, reps)
     # the same chains dispatched back to back, as a decode loop that keeps its state on the
     # device runs its steps: the host's work per execution overlaps the devices'
     us_pipelined = timing.slope(fn1, fn2, args_of, K1, K2, reps, pipelined=timing.PIPELINE)[0]
+    us_host = timing.host_dispatch_us(fn1, fn2, K1, K2, reps, args_of)
     if mode == "peer":  # the timed steps must have been real ones
         peer.check_status(fn2(*args_of(0))[2])
     us_kernels = note = None
@@ -138,8 +142,10 @@ def time_combo(
         process_index=jax.process_index(),
         **timing.shape_fields(config),
         protocol_build=manifest.build_for(config.T, False).tag if mode == "peer" else None,
-        us=us,
+        us=timing.caller_pays(us_pipelined, us_host),
         us_pipelined=us_pipelined,
+        us_host=us_host,
+        us_donated=us_donated,
         us_kernels=us_kernels,
         noise_us=noise,
         t_k1_us=t1,
@@ -152,8 +158,9 @@ def time_combo(
         profiler_note=note,
         date=datetime.date.today().isoformat(),
         method=f"slope of unrolled jitted chains of dependent TP steps, K1={K1}, K2={K2}, median of {reps} "
-        f"executions each, {N_LISTS} input lists alternated, every execution waited for; us_pipelined: the "
-        f"same with {timing.PIPELINE} executions dispatched back to back per sample",
+        f"executions each, {N_LISTS} input lists alternated: us_pipelined with {timing.PIPELINE} executions "
+        f"dispatched back to back per sample, us_donated with every execution waited for; us_host: the host's "
+        f"dispatch time per step; us = max(us_pipelined, us_host)",
     )
 
 
@@ -196,7 +203,7 @@ def run(
             _together(what)
             try:
                 record = time_combo(mesh, mode, backend, config, reps, profile, chain)
-                log(f"{what}: {record['us']:.2f} us/step (kernels {record['us_kernels']})")
+                log(f"{what}: {time_cell(record['us'], '.2f')} us/step (kernels {record['us_kernels']})")
             except Exception as err:  # one failed combination must not end the run
                 record = dict(
                     kind="error",
@@ -225,16 +232,16 @@ def summary(records) -> str:
     for r in records:
         if "mode" in r:
             rows.setdefault((r["mode"], r["backend"]), {})[r["T"]] = r
-    cell = lambda r: "-" if r is None else ("error" if r["kind"] == "error" else f"{r['us']:.2f}")
+    cell = lambda r: "-" if r is None else ("error" if r["kind"] == "error" else time_cell(r["us"], ".2f"))
     lines = ["mode/backend        " + "".join(f"T={t:<10}" for t in tokens)]
     for (mode, backend), by_t in rows.items():
         lines.append(f"{mode + '/' + backend:<20}" + "".join(f"{cell(by_t.get(t)):<12}" for t in tokens))
     base = {r["T"]: r for r in timings if (r["mode"], r["backend"]) == ("psum", "reference")}
     for r in timings:
-        if r["mode"] == "peer" and r["T"] in base and r["us"] > 0:
+        if r["mode"] == "peer" and r["T"] in base and (r["us"] or 0) > 0 and (base[r["T"]]["us"] or 0) > 0:
             line = f"peer/cute T={r['T']}: {base[r['T']]['us'] / r['us']:.1f}x faster than psum/reference"
-            if (r.get("us_pipelined") or 0) > 0 and base[r["T"]].get("us_pipelined") is not None:
-                line += f" (pipelined: {base[r['T']]['us_pipelined'] / r['us_pipelined']:.1f}x)"
+            if (r.get("us_donated") or 0) > 0 and (base[r["T"]].get("us_donated") or 0) > 0:
+                line += f" (waited for: {base[r['T']]['us_donated'] / r['us_donated']:.1f}x)"
             lines.append(line)
     return "\n".join(lines)
 
