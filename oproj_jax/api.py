@@ -356,15 +356,31 @@ def consumer(
     argument, before anything is traced or launched. Works eagerly and under jax.jit. T = 0
     (no tokens) is rejected with a ValueError naming T: skip the call for an empty batch.
 
+    The options are static: under jax.jit pass them as Python values (static_argnames, or
+    functools.partial); a traced option raises a TypeError that says so.
+
     Autodiff: jax.grad / jax.vjp work on every backend and give the same gradients: the chosen
     backend computes the forward, the backward is always the reference's VJP (a custom_vjp;
-    the op is smooth jnp math). Forward-mode (jax.jvp, jacfwd) works on the reference only.
+    the op is smooth jnp math). Forward-mode (jax.jvp, jacfwd) works on the reference only; on a
+    kernel it raises a TypeError naming backend="reference" as the way to take it.
     """
     arrays = (mailbox, prefix, blocks, norm, query, out_norm)
     options = dict(eps=eps, out_eps=out_eps, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas)
     dims, options, platform, devices = _checked_call(arrays, backend, options)
     name = resolve_backend(backend, platform, dims, devices=devices, **options)
-    return _differentiable(name, tuple(options.items()))(*arrays)
+    try:
+        return _differentiable(name, tuple(options.items()))(*arrays)
+    except TypeError as err:
+        if name == "reference" or "forward-mode autodiff" not in str(err):
+            raise
+        picked = f" (backend={backend!r} picked it here)" if backend != name else ""
+        raise TypeError(
+            f"backend={name!r}{picked}: forward-mode autodiff (jax.jvp, jax.jacfwd, jax.hessian) is not defined on "
+            f"the kernels. oproj_jax.consumer differentiates them in reverse mode: a jax.custom_vjp whose backward is "
+            f"the reference's VJP, so jax.grad, jax.vjp and jax.jacrev work and give the same gradients on every "
+            f"backend. For forward mode call it with backend='reference': the same function (docs/spec.md) in plain "
+            f"jnp, differentiable in every mode"
+        ) from err
 
 
 @functools.lru_cache(maxsize=None)

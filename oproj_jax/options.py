@@ -26,7 +26,26 @@ import numpy as np
 MAX_GROUPS = 4  # the summation order has at most four groups (docs/spec.md, "Summation order")
 
 
+def _is_traced(value: Any) -> bool:
+    """Whether `value` is a JAX tracer (an argument of a function under jax.jit, grad, vmap...),
+    told by its class (jax.core.Tracer) without importing JAX here."""
+    return any(c.__name__ == "Tracer" and c.__module__.startswith("jax") for c in type(value).__mro__)
+
+
+def _refuse_traced(name: str, value: Any, kind: str) -> None:
+    """A TypeError for a traced option: the options pick the compiled program, so they must be
+    Python values when the call is traced; the message says how to keep one static."""
+    if _is_traced(value):
+        raise TypeError(
+            f"{name}: expected a Python {kind}, got a traced value ({type(value).__name__}): the option is static "
+            f"(each value compiles its own program), so it cannot be an argument that jax.jit traces. Mark it "
+            f"static: jax.jit(f, static_argnames=({name!r},)), or bind it before jitting: "
+            f"jax.jit(functools.partial(f, {name}=...))"
+        )
+
+
 def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
+    _refuse_traced(name, value, "int")
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
     if value < lo or (hi is not None and value > hi):
@@ -36,6 +55,7 @@ def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
 
 
 def _check_eps(name: str, value: Any) -> float:
+    _refuse_traced(name, value, "float")
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}: expected a Python float (a static epsilon), got {type(value).__name__}")
     if not math.isfinite(value) or value < 0:
@@ -44,6 +64,7 @@ def _check_eps(name: str, value: Any) -> float:
 
 
 def _check_bool(name: str, value: Any) -> bool:
+    _refuse_traced(name, value, "bool")
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
     return bool(value)

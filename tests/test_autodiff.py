@@ -4,6 +4,7 @@ forward, the reference's VJP as the backward).
 On the CPU: the reference and the Pallas kernel in interpret mode are differentiated; the cute
 backend is lowered for CUDA under jax.grad (its custom call must be the forward). That the GPU
 kernels' forward under grad runs and matches is for the GPU tests: the backward never runs a kernel.
+Forward mode on a kernel backend raises a TypeError that names backend="reference" as the way.
 """
 
 from __future__ import annotations
@@ -140,3 +141,41 @@ def test_cute_forward_without_grad_keeps_the_in_place_prefix(cute_lowerable):
     assert len(calls) == 1
     assert "output_tuple_indices = [0], operand_index = 1" in calls[0]
     assert "tf.aliasing_output" in text or "jax.buffer_donor" in text  # the donated prefix reaches XLA
+
+
+@pytest.fixture
+def kernels_here(monkeypatch):
+    """cute and triton as on a Hopper GPU, their forward stood in by the reference (on the CPU
+    nothing launches them): what api.consumer wraps them in is what is tested."""
+    from oproj_jax import reference
+    from oproj_jax.triton import backend as triton_backend
+
+    for module in (cute_backend, triton_backend):
+        monkeypatch.setattr(module, "unavailable_reason", lambda platform: None)
+        monkeypatch.setattr(module, "unsupported_reason", lambda dims, **options: None)
+        monkeypatch.setattr(module, "consumer", reference.consumer)
+    monkeypatch.setattr(api, "_placement", lambda *arrays: ("gpu", [FakeHopper()]))
+
+
+@pytest.mark.parametrize("name", ["cute", "pallas", "triton"])
+@pytest.mark.parametrize("transform", ["jvp", "jacfwd"])
+def test_forward_mode_on_a_kernel_says_how_to_differentiate(kernels_here, name, transform):
+    x = inputs(H=256)
+    f = lambda *a: oproj_jax.consumer(*a, backend=name, groups=2).output  # noqa: E731
+    with pytest.raises(TypeError) as info:
+        if transform == "jvp":
+            jax.jvp(f, x, tuple(jnp.ones_like(a) for a in x))
+        else:
+            jax.jacfwd(lambda q: f(*x[:4], q, x[5]))(x[4])
+    message = str(info.value)
+    assert message.startswith(f"backend={name!r}: forward-mode autodiff (jax.jvp, jax.jacfwd, jax.hessian)")
+    assert "jax.grad, jax.vjp and jax.jacrev work" in message and "call it with backend='reference'" in message
+    # reverse mode on the same call works: the kernel's forward, the reference's backward
+    grads = jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 4))(*x)
+    assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in grads)
+
+
+def test_forward_mode_under_auto_names_the_backend_it_picked(kernels_here):
+    x = inputs(H=7168, R=2, NB=1, T=1)
+    with pytest.raises(TypeError, match=r"^backend='cute' \(backend='auto' picked it here\): forward-mode"):
+        jax.jvp(lambda *a: oproj_jax.consumer(*a, groups=2).output, x, x)

@@ -224,3 +224,38 @@ def test_explain_reports_triton_in_place_of_the_hopper_kernels(cute_here, triton
 
 def test_triton_is_unavailable_off_cuda():
     assert "runs on NVIDIA CUDA GPUs, it has no CPU or interpret path" in api.available_backends("cpu")["triton"]
+
+
+# ---- "auto" never picks a backend that cannot take the shape
+
+
+@pytest.mark.parametrize(
+    ("dims", "picked"),
+    [
+        (DIMS, "cute"),
+        (Dims(R=32, T=1, NB=8, H=H), "pallas"),  # over cute's 16 slots; pallas takes it on its ring
+        (Dims(R=100, T=1, NB=8, H=H), "pallas"),  # over triton's 64 too
+        (Dims(R=2, T=1, NB=1, H=16384), "triton"),  # cute: H = 7168 only; pallas: over its shared memory
+        (Dims(R=65, T=1, NB=1, H=16384), "reference"),  # no kernel takes it
+    ],
+    ids=["R2", "R32", "R100", "H16384", "R65-H16384"],
+)
+def test_auto_picks_the_first_backend_that_takes_the_shape(cute_here, triton_here, fresh_warnings, dims, picked):
+    devices = [FakeGPU("9.0")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the reference on a GPU warns; that is tested above
+        name, reasons = api.choose_backend("auto", "gpu", dims, devices=devices, **OPTIONS)
+    assert name == picked
+    assert api.unsupported_reason(name, dims, **OPTIONS) is None
+    order = api.backend_names()
+    for skipped in order[: order.index(name)]:  # every backend before it says why, with its limit
+        assert reasons[skipped] and api.unsupported_reason(skipped, dims, **OPTIONS) == reasons[skipped]
+
+
+def test_explain_names_the_limits_that_pass_a_kernel_over(cute_here, triton_here, monkeypatch):
+    monkeypatch.setattr(api, "_placement", lambda *a: ("gpu", [FakeGPU("9.0")]))
+    with jax.default_device(jax.devices("cpu")[0]):
+        mailbox = jnp.zeros((32, 1, H), jnp.bfloat16)
+    text = oproj_jax.explain(mailbox, *arrays(NB=1)[1:], **OPTIONS)
+    assert text.splitlines()[0].startswith("backend='auto' runs 'pallas'")
+    assert "  cute: not picked: R=32: the CuTe kernel sums at most 16 mailbox slots" in text

@@ -1,5 +1,8 @@
 """Every public argument check of oproj_jax.consumer: the error type, a message that names the
-argument, what was expected and what was given, and the caller's arrays left untouched.
+argument, what was expected and what was given, and the caller's arrays left untouched. Then the
+errors that say the next step: a traced static option (how to keep it static), a missing or
+broken FFI library (where it was looked for, how to build it), a shape over a backend's limit
+(the limit, and a backend that takes the shape).
 
 The rows tests/test_contract.py runs for every backend and the PyTorch model (its BAD table:
 mailbox and prefix float32, prefix T, groups 5, xmoe_replicas -1, eps NaN, has_delta 1) are
@@ -227,3 +230,99 @@ def test_torch_ref_bad_argument_is_named(name, value, error, text):
     tensors[name] = torch.from_numpy(value) if value.dtype == np.float32 else torch_ref.from_numpy(value)
     with pytest.raises(error, match=re.escape(text)):
         torch_ref.consumer(*tensors.values())
+
+
+# ---- a traced value for a static option
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "kind"),
+    [("groups", 2, "int"), ("xmoe_replicas", 1, "int"), ("has_delta", True, "bool"), ("eps", 1e-6, "float")],
+)
+def test_traced_option_says_to_mark_it_static(name, value, kind):
+    """An option passed through jax.jit as an argument arrives traced: the error says the option
+    is static and how to keep it so (static_argnames, or functools.partial)."""
+    arrays = valid_arrays()
+
+    def step(option, *arrays):
+        return oproj_jax.consumer(*arrays, backend="reference", **{name: option})
+
+    with pytest.raises(TypeError) as info:
+        jax.jit(step)(value, *arrays.values())
+    message = str(info.value)
+    assert message.startswith(f"{name}: expected a Python {kind}, got a traced value"), message
+    assert f"mark it static: jax.jit(f, static_argnames=({name!r},))" in message.lower()
+    assert f"functools.partial(f, {name}=...)" in message
+    # the way the message names works
+    fixed = jax.jit(step, static_argnums=0)(value, *arrays.values())
+    assert fixed.output.shape == (T, H)
+
+
+# ---- the FFI library: where it is looked for, and the fix
+
+
+def test_missing_ffi_library_names_the_variable_and_the_fix(monkeypatch, tmp_path):
+    from oproj_jax.cute import ffi
+
+    monkeypatch.setattr(ffi, "_library", None)
+    monkeypatch.setenv("OPROJ_JAX_FFI_LIBRARY", str(tmp_path / "none.so"))
+    for message in (ffi.unavailable_reason(), _raised(ffi.load_library)):
+        assert "not built" in message and str(tmp_path / "none.so") in message
+        assert "$OPROJ_JAX_FFI_LIBRARY names" in message and "set $OPROJ_JAX_FFI_LIBRARY to a built" in message
+        assert "`python -m oproj_jax.build --ffi-only`" in message and "pip install '.[cuda]'" in message
+    monkeypatch.delenv("OPROJ_JAX_FFI_LIBRARY")
+    monkeypatch.setattr(ffi, "DEFAULT_LIBRARY", tmp_path / "default.so")
+    reason = ffi.unavailable_reason()
+    assert f"the default {tmp_path / 'default.so'} ($OPROJ_JAX_FFI_LIBRARY unset)" in reason
+    # a file that is no library: the loader's error, where it came from, the fix
+    (tmp_path / "broken.so").write_bytes(b"not an ELF file")
+    monkeypatch.setenv("OPROJ_JAX_FFI_LIBRARY", str(tmp_path / "broken.so"))
+    message = _raised(ffi.load_library)
+    assert f"the FFI library {tmp_path / 'broken.so'} does not load" in message
+    assert "OPROJ_JAX_FFI_LIBRARY" in message and "python -m oproj_jax.build --ffi-only" in message
+    assert ffi._library is None
+
+
+def _raised(fn) -> str:
+    with pytest.raises(RuntimeError) as info:
+        fn()
+    return str(info.value)
+
+
+# ---- each backend's limits, up front, naming a backend that takes the shape
+
+DIMS_7168 = dict(R=16, T=1, NB=8, H=7168)
+
+
+@pytest.mark.parametrize(
+    ("name", "dims", "texts"),
+    [
+        ("cute", dict(DIMS_7168, R=17), ["R=17", "at most 16 mailbox slots", "backend='pallas'", "'reference'"]),
+        ("cute", dict(DIMS_7168, H=7424), ["H = 7168 only", "backend='pallas'", "'triton'", "'reference'"]),
+        ("cute", dict(DIMS_7168, T=70000), ["T = 70000", "65535", "backend='pallas'"]),
+        ("triton", dict(DIMS_7168, R=65), ["R <= 64, got R=65", "backend='pallas'", "'reference' takes any R"]),
+        ("pallas", dict(DIMS_7168, H=1000), ["H % 256 == 0", "backend='triton'", "'reference'"]),
+        ("pallas", dict(DIMS_7168, H=16384), ["H=16384", "288 KiB", "227 KiB", "backend='triton'", "'reference'"]),
+    ],
+    ids=["cute-R17", "cute-H", "cute-T", "triton-R65", "pallas-H1000", "pallas-H16384"],
+)
+def test_backend_limit_names_the_limit_and_who_takes_it(name, dims, texts):
+    module = kernel_module(name)
+    options = {k: v for k, v in VALID_OPTIONS.items() if k != "backend"}
+    reason = module.unsupported_reason(api.Dims(**dims), **options)
+    assert reason, f"{name} takes {dims}"
+    missing = [t for t in texts if t not in reason]
+    assert not missing, f"{missing} not in {reason!r}"
+
+
+@pytest.mark.parametrize("R", [16, 24, 32, 64, 100])
+def test_pallas_takes_any_rank_count(R):
+    """The Pallas kernel has no bound on R: where a cluster's resident rows would need more than
+    Mosaic GPU's 32 barriers in a group (R + has_delta + NB > 32), one CTA per token with a ring
+    of slots takes the shape (tests/test_pallas_limits.py lowers it)."""
+    from oproj_jax.pallas import consumer as pallas_consumer
+
+    options = {k: v for k, v in VALID_OPTIONS.items() if k != "backend"}
+    assert pallas_consumer.unsupported_reason(api.Dims(R, 1, 8, 7168), **options) is None
+    split = pallas_consumer.choose_split(1, 7168, interpret=False, R=R, NB=8)["split"]
+    assert split == (7 if R + 1 + 8 <= pallas_consumer.MAX_BARRIERS else 1)

@@ -44,6 +44,9 @@ from oproj_jax.reference import without_negative_zero
 
 HIDDEN = 7168  # 7 CTAs x 128 threads x 8 elements: the only hidden size the cubins are built for
 MAX_TOKENS = 65535  # grid.y
+MAX_RANKS = 16  # mailbox slots the kernel sums (cute/kernel.py; the publish kernel's destinations too)
+# named in every limit's reason: what takes a shape the cubins do not
+OTHERS = "backend='pallas' (H % 256 == 0) or 'triton' (R <= 64) on a GPU, or 'reference' anywhere, takes it"
 BUILD_COMMAND = "python -m oproj_jax.build"
 # Every wait on another stream or GPU is bounded in wall time (the kernel's %globaltimer): a slot
 # that is never published becomes a status code, not a hung GPU. One second is far above any
@@ -249,9 +252,14 @@ def unsupported_reason(dims: Dims, *, twoshot: bool = False, ready: bool = True,
 def _launch_reason(dims: Dims) -> str | None:
     """Why no cubin's launch fits these dimensions (whatever the variant), or None."""
     if dims.H != HIDDEN:
-        return f"the CuTe cubins are built for H = {HIDDEN} only, got H = {dims.H}"
+        return f"the CuTe cubins are built for H = {HIDDEN} only, got H = {dims.H}; {OTHERS}"
     if dims.T > MAX_TOKENS:
-        return f"T = {dims.T} tokens exceeds the launch grid's y limit {MAX_TOKENS}"
+        return f"T = {dims.T} tokens exceeds the launch grid's y limit {MAX_TOKENS}; {OTHERS}"
+    if dims.R > MAX_RANKS:
+        return (
+            f"R={dims.R}: the CuTe kernel sums at most {MAX_RANKS} mailbox slots (expected 1 <= R <= {MAX_RANKS}); "
+            f"{OTHERS}"
+        )
     return None
 
 

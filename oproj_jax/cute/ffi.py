@@ -95,6 +95,7 @@ _HERE = pathlib.Path(__file__).resolve().parent
 SOURCE_DIR = _HERE / "csrc"
 DEFAULT_LIBRARY = _HERE.parent / "_lib" / ffi_build.LIBRARY_NAME
 BUILD_COMMAND = "python -m oproj_jax.build --ffi-only"
+LIBRARY_ENV = "OPROJ_JAX_FFI_LIBRARY"  # a built library to load instead of DEFAULT_LIBRARY
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -118,31 +119,50 @@ def sources_list() -> list[pathlib.Path]:
 
 def library_path() -> pathlib.Path:
     """Where the library is loaded from: $OPROJ_JAX_FFI_LIBRARY, else the default build output."""
-    return pathlib.Path(os.environ.get("OPROJ_JAX_FFI_LIBRARY", DEFAULT_LIBRARY))
+    return pathlib.Path(os.environ.get(LIBRARY_ENV, DEFAULT_LIBRARY))
+
+
+def _where() -> str:
+    """Where the library is looked for, and why there."""
+    if os.environ.get(LIBRARY_ENV):
+        return f"${LIBRARY_ENV} names {library_path()}"
+    return f"the default {DEFAULT_LIBRARY} (${LIBRARY_ENV} unset)"
+
+
+def _fixes() -> str:
+    return (
+        f"build it with `{BUILD_COMMAND}` (g++ and cuda.h, no GPU needed), or install the package with g++ on PATH "
+        f"(`pip install '.[cuda]'` from the checkout builds it into the wheel), or set ${LIBRARY_ENV} to a built "
+        f"{DEFAULT_LIBRARY.name}"
+    )
 
 
 def unavailable_reason() -> str | None:
-    """None if the library is built, else what to run."""
+    """None if the library is built, else where it was looked for and what to run."""
     path = library_path()
     if not path.is_file():
         needs = ffi_build.missing(jaxlib=False)
         needs = f"; this machine cannot build it yet: {needs}" if needs else ""
-        return (
-            f"the FFI library is not built ({path} missing): run `{BUILD_COMMAND}` (g++ and cuda.h, no GPU "
-            f"needed; `pip install .` builds it when both are found){needs}"
-        )
+        return f"the FFI library is not built ({path} missing; {_where()}): {_fixes()}{needs}"
     return None
 
 
 def load_library() -> ctypes.CDLL:
-    """The built library, loaded once per process."""
+    """The built library, loaded once per process. RuntimeError naming where it was looked for
+    and the fix when it is missing or does not load (another jaxlib's build, a truncated file)."""
     global _library
     with _lock:
         if _library is None:
             reason = unavailable_reason()
             if reason:
                 raise RuntimeError(reason)
-            _library = ctypes.CDLL(str(library_path()))
+            try:
+                _library = ctypes.CDLL(str(library_path()))
+            except OSError as err:
+                raise RuntimeError(
+                    f"the FFI library {library_path()} does not load ({_where()}): {err}; rebuild it against this "
+                    f"jaxlib: {_fixes()}"
+                ) from err
         return _library
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +47,10 @@ RING_MAX_T = 64  # split == 1: ring=RING up to this many tokens, 2 above (two CT
 PROFILE_RANGES = 32  # in-kernel profiler: named phases (ranges) recorded per warpgroup
 SMEM_LIMIT = 227 * 1024  # sm_90: the most dynamic shared memory one CTA may opt in to
 SMEM_ALIGN = 1024  # Pallas Mosaic GPU starts every scratch buffer on this boundary
+# Mosaic GPU initializes at most this many mbarriers in one plgpu.Barrier group (more raise
+# NotImplementedError when the kernel is lowered). The cluster path has one barrier per resident
+# row (R + has_delta + NB); the ring path one per ring slot.
+MAX_BARRIERS = 32
 # On the GPU the kernel is launched with programmatic dependent launch: where Mosaic GPU launches
 # it on a stream, its start (barrier and cluster setup) overlaps the end of the kernel ahead of
 # it. Inside XLA's command buffer the call is recorded by stream capture into a child graph,
@@ -53,6 +58,12 @@ SMEM_ALIGN = 1024  # Pallas Mosaic GPU starts every scratch buffer on this bound
 PDL = True
 
 f32, bf16 = jnp.float32, jnp.bfloat16
+
+# Mosaic GPU's interpreter keeps one shared-memory model per process (module globals of its
+# gpu_callbacks), set up when a kernel starts and cleared when it ends: two kernels interpreted
+# at once (two Python threads calling the op) clear each other's state and fail inside it. Eager
+# interpreted calls take this lock until their results are ready; on a GPU nothing takes it.
+_INTERPRET_LOCK = threading.Lock()
 
 
 def unavailable_reason(platform: str) -> str | None:
@@ -64,8 +75,26 @@ def unavailable_reason(platform: str) -> str | None:
 
 
 def unsupported_reason(dims: Dims, **options) -> str | None:
+    """Why the kernel cannot take this shape (the layout choose_split gives it on the GPU; the
+    interpreter runs the GPU kernel, so the same limits hold there), or None. R, NB, T and
+    groups have no bound of their own: a rank count whose rows would need more barriers than a
+    cluster of resident rows may have runs on one CTA per token with a ring of slots."""
     if dims.H % LANES:
-        return f"the Pallas kernel views a row as [H/{LANES}, {LANES}] for TMA: needs H % {LANES} == 0, got H={dims.H}"
+        return (
+            f"the Pallas kernel views a row as [H/{LANES}, {LANES}] for TMA: needs H % {LANES} == 0, got H={dims.H}; "
+            f"backend='triton' (any H, on a CUDA GPU) or 'reference' takes it"
+        )
+    has_delta = Options.from_kwargs(options).has_delta
+    tuning = choose_split(dims.T, dims.H, interpret=False, R=dims.R, NB=dims.NB, has_delta=has_delta)
+    if tuning["split"] == 1:
+        ring = min(tuning["ring"], len(_rows(dims.R, dims.NB, has_delta)))
+        smem = ring_smem_bytes(dims.H, ring)
+        if smem > SMEM_LIMIT:
+            return (
+                f"the Pallas kernel stages a token's rows in shared memory: at H={dims.H} its {ring} ring slots, "
+                f"weights and staging rows take {smem // 1024} KiB, over the {SMEM_LIMIT // 1024} KiB one CTA may "
+                f"have on sm_90; backend='triton' (any H, on a CUDA GPU) or 'reference' takes it"
+            )
     return None
 
 
@@ -334,17 +363,35 @@ def _cluster_scratch(R, NB, has_delta, C, split):
     ]
 
 
-def cluster_smem_bytes(R: int, NB: int, has_delta: bool, H: int, split: int) -> int:
-    """Dynamic shared memory of one CTA of the cluster path: its scratch (_cluster_scratch) as
-    Pallas lays it out, every buffer 1 KiB aligned (a RefUnion is one buffer of its largest
-    group), barriers 8 bytes each."""
+def _smem_bytes(scratch) -> int:
+    """Dynamic shared memory of a scratch list as Pallas lays it out: every buffer 1 KiB aligned
+    (a RefUnion is one buffer of its largest group), barriers 8 bytes each."""
     total = 0
-    for item in _cluster_scratch(R, NB, has_delta, H // LANES // split, split):
+    for item in scratch:
         if isinstance(item, plgpu.Barrier):
             total += 8 * math.prod(item.num_barriers)  # a shape: (n,)
         else:
             total += -(-math.prod(item.shape) * jnp.dtype(item.dtype).itemsize // SMEM_ALIGN) * SMEM_ALIGN
     return total
+
+
+def cluster_smem_bytes(R: int, NB: int, has_delta: bool, H: int, split: int) -> int:
+    """Dynamic shared memory of one CTA of the cluster path (_cluster_scratch)."""
+    return _smem_bytes(_cluster_scratch(R, NB, has_delta, H // LANES // split, split))
+
+
+def ring_smem_bytes(H: int, ring: int) -> int:
+    """Dynamic shared memory of one CTA of the ring path (split == 1) with `ring` slots."""
+    row = (H // LANES, LANES)
+    return _smem_bytes(
+        [plgpu.SMEM((ring, *row), bf16), plgpu.Barrier(num_barriers=ring), plgpu.SMEM((3, *row), bf16)]
+        + [plgpu.Barrier(num_barriers=3), plgpu.SMEM(row, bf16), plgpu.SMEM(row, bf16)]
+    )
+
+
+def cluster_barriers(R: int, NB: int, has_delta: bool) -> int:
+    """The barriers of the cluster path's largest group: one per resident row."""
+    return len(_rows(R, NB, has_delta))
 
 
 def choose_split(T: int, H: int, interpret: bool, R: int = 16, NB: int = 8, has_delta: bool = True) -> dict:
@@ -357,9 +404,14 @@ def choose_split(T: int, H: int, interpret: bool, R: int = 16, NB: int = 8, has_
     clusters of 2 or 4. Above that, one CTA per token streaming its rows through a ring of RING
     shared-memory slots, 2 slots above RING_MAX_T tokens (two CTAs then fit an SM). A cluster
     split is taken only where the token's columns divide among 7 CTAs and the resident rows fit
-    in shared memory. Interpret mode has no cluster shared memory: one CTA per token there.
+    in shared memory and in MAX_BARRIERS barriers (one per row: R + has_delta + NB <= 32; R = 32
+    takes the ring). Interpret mode has no cluster shared memory: one CTA per token there.
     """
-    fits = (H // LANES) % SPLIT == 0 and cluster_smem_bytes(R, NB, has_delta, H, SPLIT) <= SMEM_LIMIT
+    fits = (
+        (H // LANES) % SPLIT == 0
+        and cluster_barriers(R, NB, has_delta) <= MAX_BARRIERS
+        and cluster_smem_bytes(R, NB, has_delta, H, SPLIT) <= SMEM_LIMIT
+    )
     if not interpret and T <= SPLIT_MAX_T and fits:
         return dict(ring=RING, split=SPLIT, batch=MAILBOX_BATCH)
     return dict(ring=RING if T <= RING_MAX_T else 2, split=1)
@@ -367,14 +419,20 @@ def choose_split(T: int, H: int, interpret: bool, R: int = 16, NB: int = 8, has_
 
 def consumer(mailbox, prefix, blocks, norm, query, out_norm, **options) -> ConsumerResult:
     """The backend entry (api.consumer has checked the arguments): the kernel, tuned per shape;
-    interpreted unless the arrays (or, traced, the enclosing mesh) are on a GPU."""
+    interpreted unless the arrays (or, traced, the enclosing mesh) are on a GPU. An eager
+    interpreted call runs under _INTERPRET_LOCK, one at a time in the process, and returns its
+    results ready. A traced one runs when the caller's program does, which no lock here can
+    cover: callers that run such programs from several threads at once serialize them."""
+    arrays = (mailbox, prefix, blocks, norm, query, out_norm)
     R, T, H = mailbox.shape
     interpret = _interpret(mailbox, prefix, blocks)
     tuning = choose_split(T, H, interpret, R=R, NB=blocks.shape[1], has_delta=options["has_delta"])
     pdl = PDL and not interpret
-    return consumer_with(
-        mailbox, prefix, blocks, norm, query, out_norm, **options, interpret=interpret, pdl=pdl, **tuning
-    )
+    call = functools.partial(consumer_with, **options, interpret=interpret, pdl=pdl, **tuning)
+    if interpret and not any(isinstance(x, jax.core.Tracer) for x in arrays):
+        with _INTERPRET_LOCK:
+            return jax.block_until_ready(call(*arrays))
+    return call(*arrays)
 
 
 @functools.partial(jax.jit, static_argnames=(*NAMES, "ring", "split", "batch", "pdl", "profile_dir", "interpret"))
@@ -414,6 +472,15 @@ def consumer_with(
         raise ValueError(
             f"batch: expected 1, or > 1 with a cluster split (rows resident), got {batch} with split={split}"
         )
+    if split > 1 and cluster_barriers(R, NB, opts.has_delta) > MAX_BARRIERS:
+        raise ValueError(
+            f"split: a cluster keeps every row of a token resident, one barrier per row: R + has_delta + NB = "
+            f"{cluster_barriers(R, NB, opts.has_delta)} rows at R={R}, NB={NB}, over the {MAX_BARRIERS} barriers "
+            f"Mosaic GPU allows in one group; expected split=1 (a ring of slots, any R), which consumer() takes for "
+            f"this shape"
+        )
+    if not 1 <= ring <= MAX_BARRIERS:
+        raise ValueError(f"ring: expected 1 <= ring <= {MAX_BARRIERS} (one barrier per slot), got {ring}")
     C = H // LANES // split
     interpret = _interpret() if interpret is None else bool(interpret)
     if interpret:

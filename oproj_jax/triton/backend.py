@@ -77,7 +77,8 @@ def lowering_reason(lowering: str) -> str | None:
 
 
 def unsupported_reason(dims: Dims, **options) -> str | None:
-    return launch_plan.unsupported_reason(dims.R)
+    reason = launch_plan.unsupported_reason(dims.R)
+    return reason and f"{reason}; backend='pallas' (on a Hopper GPU) or 'reference' takes any R"
 
 
 def consumer(mailbox, prefix, blocks, norm, query, out_norm, **options) -> ConsumerResult:
