@@ -275,7 +275,7 @@ def test_importing_the_package_does_not_import_the_dsl():
 
 
 def test_trace_build_adds_timers_and_leaves_the_shipped_kernel_alone(built):
-    # the phase-timer build (benchmarks/cute_phases.py) changes the code; with trace off the
+    # the phase-timer build changes the code; with trace off the
     # kernel is the same bytes as the manifest's (the marks emit nothing)
     from oproj_jax.cute import build
 

@@ -249,7 +249,7 @@ def test_row_layout_is_the_one_mosaic_loads(C):
     assert pallas_consumer._row_layout(C).to_mgpu() == mosaic
 
 
-# ---- the in-kernel profiler (the trace itself comes from the GPU: benchmarks/pallas_phases.py)
+# ---- the in-kernel profiler (the trace itself comes from a GPU)
 
 
 def test_profiler_runs_on_the_gpu_and_is_refused_in_interpret_mode(tmp_path):

@@ -55,6 +55,16 @@ from oproj_jax.sharded import tp_consumer
 FRAGMENT = 8  # bf16 elements per 16-byte mailbox fragment
 REFUSED = 8  # status bit: the group had failed before this step, which only wrote NaN
 CONNECT_S = 120  # connect_timeout_s: up to 16 processes start, import and compile at once
+
+# The fail-stop mechanism (poison word, NaN results, refusal), the first-call meeting, the
+# per-call deadline and the bounded mailbox (max_tokens, close, allocated_bytes) are specified
+# by these tests and not implemented yet: they are reported as expected failures without running.
+NOT_IMPLEMENTED = pytest.mark.xfail(
+    run=False,
+    strict=True,
+    reason="mode='peer' fail-stop, first-call meeting, per-call deadline and bounded mailboxes: not implemented yet",
+)
+
 BARRIER_S = 120  # every barrier of these workers (peer.reset / close included)
 SLOW_RANK = 1  # the rank that sleeps (late publish, launch skew) or never publishes (dead rank)
 NAMES = ("prefix", "blocks", "norm", "query", "out_norm")
@@ -239,6 +249,7 @@ def test_peer_sixteen_ranks_exact():
     _launch("exact", 16, 540, _exact_names(16))
 
 
+@NOT_IMPLEMENTED
 def test_peer_late_publish_fails_stop():
     """R=2, timeout 300 ms, a jitted step with fresh inputs each step; rank 1 publishes step 2
     1.5 s late. No step on any rank returns a finite wrong value; from its first failed step on,
@@ -247,12 +258,14 @@ def test_peer_late_publish_fails_stop():
     _launch("late", 2, 300, LATE_NAMES)
 
 
+@NOT_IMPLEMENTED
 def test_peer_first_call_skew_meets():
     """R=2, timeout 200 ms; rank 1 starts each first call (jitted, a new T jitted, a new T
     compiled ahead, a new T eager) 2 s after rank 0: the first calls meet, every step exact."""
     _launch("skew", 2, 300, SKEW_NAMES)
 
 
+@NOT_IMPLEMENTED
 def test_peer_deadline_dead_rank_large_T():
     """R=2, T=4096, timeout 200 ms, rank 1 never publishes: after a warm-up (compile and a
     normal step) the failing step returns within 2 timeouts + 0.3 s in each process, reports the
@@ -260,6 +273,7 @@ def test_peer_deadline_dead_rank_large_T():
     _launch("deadline", 2, 360, DEADLINE_NAMES)
 
 
+@NOT_IMPLEMENTED
 def test_peer_bounded_memory_close():
     """R=2, max_tokens=512: a sweep of T from 1 to 512 keeps one group and one allocation of
     about R * 512 * H * 2 bytes; T=513 raises naming max_tokens; close() frees everything and

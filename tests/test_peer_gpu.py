@@ -5,8 +5,7 @@ consumer cubin running the protocol across GPUs through the FFI handler (allocat
 access, the single mailbox per device, the record stage inside XLA command buffers), the bits,
 the bounded waits (a rank that never publishes, a peer that never re-arms), and back-to-back
 steps under jit (a command buffer with graph updates, a scan and an unrolled chain) with fresh
-random data each step. The command-buffer and re-arm tests come first: the 2-GPU session
-(benchmarks/tp2_session.sh) runs this file under a time limit.
+random data each step. The command-buffer and re-arm tests come first.
 
 Bits: the prefix of mode="peer" must equal mode="oneshot"'s (backend cute, and the reference
 backend) with the same `groups`, bit for bit, on every rank; the output is identical across

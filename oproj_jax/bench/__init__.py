@@ -1,4 +1,4 @@
-"""Benchmark harness for the consumer: `python -m oproj_jax.bench` (CLI) and benchmarks/run_h200.py.
+"""Benchmark harness for the consumer: `python -m oproj_jax.bench` (CLI) and benchmarks/record.py.
 
 backends.py      which registry backends (and the torch baseline) can run here
 inputs.py        host cases (make_inputs + numpy prefix model), L2-cold device input pools

@@ -1,4 +1,4 @@
-"""The sweeps shared by the CLI (`python -m oproj_jax.bench`) and benchmarks/run_h200.py."""
+"""The sweeps shared by the CLI (`python -m oproj_jax.bench`) and benchmarks/record.py."""
 
 from __future__ import annotations
 

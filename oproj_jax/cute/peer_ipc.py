@@ -18,7 +18,7 @@ for every other rank. A cross-process row must have each rank in a different pro
 process's CUDA IPC mapping of another process's allocation is made once, in one context).
 
 What only a GPU run covers: the export, the mapping and the stores across processes
-(benchmarks/tp_processes.py, tests/test_peer_processes_gpu.py). The CPU tests cover the table
+(tests/test_peer_processes_gpu.py, tests/test_peer_faults_gpu.py). The CPU tests cover the table
 encoding and the exchange through a real two-process jax.distributed key-value store.
 """
 

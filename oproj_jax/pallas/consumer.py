@@ -17,7 +17,7 @@ staging rows, out_norm and the local dot sums reuse their memory (a RefUnion), w
 CTA of the 7-split under 56 KiB, so 4 fit an SM and T=64 runs in one wave.
 choose_split picks the split by T (7 CTAs up to 64 tokens where the rows fit, then one CTA).
 Interpret mode has no cluster memory, so the CPU runs split=1; the cluster path is checked on
-the GPU by benchmarks/pallas_smoke.py and, for T <= SPLIT_MAX_T, by every registry check.
+the GPU by tests/test_pallas.py and, for T <= SPLIT_MAX_T, by every registry check.
 """
 
 from __future__ import annotations
@@ -456,8 +456,7 @@ def consumer_with(
     row), `ring` shared-memory row slots per CTA (split == 1; with split > 1 rows are resident),
     `batch` mailbox rows per TMA copy (split > 1; blocks then come in one copy too), `pdl`
     programmatic dependent launch (GPU only). `profile_dir`: Mosaic GPU's in-kernel profiler
-    writes a trace of the kernel's named phases there (GPU only; benchmarks/pallas_phases.py
-    reads it). `interpret`: Mosaic GPU interpret
+    writes a trace of the kernel's named phases there (GPU only). `interpret`: Mosaic GPU interpret
     mode; None: unless the enclosing mesh (or JAX's default backend) is a GPU (consumer() decides
     from its arrays' devices). Interpret mode inside a shard_map over several devices raises.
     `options`: the consumer's (Options.from_kwargs: the missing ones at their defaults)."""
