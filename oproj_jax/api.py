@@ -391,9 +391,12 @@ def _differentiable(name: str, options: tuple):
     gradients on every backend). The reference itself is returned as is (plain jnp: every
     transformation works on it, forward-mode jvp included; the kernels' wrapper has no jvp)."""
     options = dict(options)
-    forward = functools.partial(_module(name).consumer, **options)
     if name == "reference":
-        return forward
+        return functools.partial(_module(name).consumer, **options)
+
+    def forward(*arrays):  # looked up per call: the cache holds no stale backend function
+        return _module(name).consumer(*arrays, **options)
+
     reference = functools.partial(_module("reference").consumer, **options)
 
     @jax.custom_vjp

@@ -111,11 +111,12 @@ def _peer_plan(mesh, axis_name, backend, opts: Options, dims: api.Dims, options)
     reason = peer.unavailable_reason(mesh.devices.flat[0].platform)
     if reason:
         raise ValueError(f"mode: mode='peer' needs backend 'cute' on CUDA GPUs; it cannot run on this mesh: {reason}")
-    reason = peer.unsupported_reason(dims, **opts.asdict())
+    reason = peer.unsupported_reason(dims, options.max_tokens, **opts.asdict())
     if reason:
-        raise ValueError(f"mode: mode='peer' cannot run this call: {reason}")
+        what = "peer_options" if dims.T > options.max_tokens and dims.R <= peer.MAX_RANKS else "mode"
+        raise ValueError(f"{what}: mode='peer' cannot run this call: {reason}")
     table = peer.group_table(mesh, axis_name)
-    peer.connect(mesh, axis_name, table, dims.T, options)  # groups across processes: map their mailboxes
+    peer.connect(mesh, axis_name, table, options)  # groups across processes: map their mailboxes
     return table, options
 
 

@@ -74,7 +74,7 @@ def fake_ready_cubins(directory, key, *, entry="k", dynamic_smem_bytes=1000) -> 
         dynamic_smem_bytes=dynamic_smem_bytes,
         block=[128, 1, 1],
         cluster=[7, 1, 1],
-        params=[".u64"] * 14,
+        params=[".u64"] * 15,
     )
     sealed = manifest.seal(dict(arch="sm_90a", cutlass_dsl="4.8.1", H=configs.HIDDEN, kernels=[kernel]), directory)
     (directory / manifest.MANIFEST).write_text(json.dumps(sealed))

@@ -22,8 +22,9 @@ KEYS = [
     M.make_key(2, 1, True, 4, 0, False),
     M.make_key(16, 1, False, 1, 0, True),
 ]
-ONESHOT_PARAMS = [".u64"] * 10 + [".f32", ".f32", ".u32", ".u32"]  # cute/ABI.md 0..13
-TWOSHOT_PARAMS = ONESHOT_PARAMS + [".u64", ".u64", ".u32"]  # 14 recv, 15 gather, 16 me
+COMMON_PARAMS = [".u64"] * 10 + [".f32", ".f32", ".u32", ".u32"]  # cute/ABI.md 0..13
+ONESHOT_PARAMS = COMMON_PARAMS + [".u64"]  # 14 control
+TWOSHOT_PARAMS = COMMON_PARAMS + [".u64", ".u64", ".u32"]  # 14 recv, 15 gather, 16 me
 
 
 @pytest.fixture(scope="module")

@@ -47,7 +47,7 @@ def fake_cubins(tmp_path, monkeypatch, library):
                 dynamic_smem_bytes=40000 + i,
                 block=[128 * key["groups"], 1, 1],
                 cluster=[7, 1, 1],
-                params=[".u64"] * (17 if key["twoshot"] else 14),
+                params=[".u64"] * (17 if key["twoshot"] else 15),
             )
         )
     # the folded builds (128 threads), which both modes launch (manifest.build_for)
@@ -101,7 +101,7 @@ def test_stage_table(registration):
     assert len(symbols) == 5 * len(ffi.SYMBOLS) and len(traits) == len(ffi.SYMBOLS)
     for i, stages in enumerate(ffi.SYMBOLS.values()):
         instantiate, prepare, initialize, execute, record = symbols[5 * i : 5 * i + 5]
-        assert (instantiate, prepare, execute) == (None, None, stages.execute)
+        assert (instantiate, prepare, execute) == (stages.instantiate, None, stages.execute)
         graph = stages.command_buffer and registration != "direct"
         assert traits[i] == int(graph)
         assert record == (stages.record if graph and registration == "record" else None)

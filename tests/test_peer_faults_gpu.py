@@ -21,7 +21,8 @@ The behaviour held here (oproj_jax/cute/peer.py, docs/spec.md "Mailbox protocol"
   * first calls meet: launch skew far above timeout_us (compiles) is no error;
   * one deadline per call: a dead rank makes a step return in about timeout_us at any T;
   * bounded memory: one mailbox [R, max_tokens, H] per group and process, whatever T;
-    T > max_tokens raises; peer.close() frees everything and a later call reopens the group.
+    T > max_tokens raises; peer.close() frees everything, a step traced later reopens the group,
+    and a step compiled before the close is refused (status 8 | 16, NaN), never a fault.
 
 Tests: *_exact (R = 2, 4, 16 ranks: eager steps and jitted chains, every rank exact),
 late_publish_fails_stop, first_call_skew_meets, deadline_dead_rank_large_T and
@@ -55,15 +56,6 @@ from oproj_jax.sharded import tp_consumer
 FRAGMENT = 8  # bf16 elements per 16-byte mailbox fragment
 REFUSED = 8  # status bit: the group had failed before this step, which only wrote NaN
 CONNECT_S = 120  # connect_timeout_s: up to 16 processes start, import and compile at once
-
-# The fail-stop mechanism (poison word, NaN results, refusal), the first-call meeting, the
-# per-call deadline and the bounded mailbox (max_tokens, close, allocated_bytes) are specified
-# by these tests and not implemented yet: they are reported as expected failures without running.
-NOT_IMPLEMENTED = pytest.mark.xfail(
-    run=False,
-    strict=True,
-    reason="mode='peer' fail-stop, first-call meeting, per-call deadline and bounded mailboxes: not implemented yet",
-)
 
 BARRIER_S = 120  # every barrier of these workers (peer.reset / close included)
 SLOW_RANK = 1  # the rank that sleeps (late publish, launch skew) or never publishes (dead rank)
@@ -148,7 +140,8 @@ MEMORY_NAMES = [f"memory: T={T} exact" for T in MEMORY_T] + [
     "memory: eager step after close exact",
     "memory: the reopened group allocates the same",
     "memory: second close frees everything",
-    "memory: jitted step compiled before close exact after it",
+    "memory: jitted step compiled before close refused after it (status 8|16, NaN, check_status names close)",
+    "memory: the same step traced again exact",
     "memory: third close frees everything",
 ]
 
@@ -249,7 +242,6 @@ def test_peer_sixteen_ranks_exact():
     _launch("exact", 16, 540, _exact_names(16))
 
 
-@NOT_IMPLEMENTED
 def test_peer_late_publish_fails_stop():
     """R=2, timeout 300 ms, a jitted step with fresh inputs each step; rank 1 publishes step 2
     1.5 s late. No step on any rank returns a finite wrong value; from its first failed step on,
@@ -258,14 +250,12 @@ def test_peer_late_publish_fails_stop():
     _launch("late", 2, 300, LATE_NAMES)
 
 
-@NOT_IMPLEMENTED
 def test_peer_first_call_skew_meets():
     """R=2, timeout 200 ms; rank 1 starts each first call (jitted, a new T jitted, a new T
     compiled ahead, a new T eager) 2 s after rank 0: the first calls meet, every step exact."""
     _launch("skew", 2, 300, SKEW_NAMES)
 
 
-@NOT_IMPLEMENTED
 def test_peer_deadline_dead_rank_large_T():
     """R=2, T=4096, timeout 200 ms, rank 1 never publishes: after a warm-up (compile and a
     normal step) the failing step returns within 2 timeouts + 0.3 s in each process, reports the
@@ -273,11 +263,11 @@ def test_peer_deadline_dead_rank_large_T():
     _launch("deadline", 2, 360, DEADLINE_NAMES)
 
 
-@NOT_IMPLEMENTED
 def test_peer_bounded_memory_close():
     """R=2, max_tokens=512: a sweep of T from 1 to 512 keeps one group and one allocation of
-    about R * 512 * H * 2 bytes; T=513 raises naming max_tokens; close() frees everything and
-    the next call reopens the group (eager, and a jitted step compiled before the close)."""
+    about R * 512 * H * 2 bytes; T=513 raises naming max_tokens; close() frees everything; the
+    next eager call reopens the group; a jitted step compiled before a close is refused (status
+    8 | 16, NaN, check_status names close) until it is traced again."""
     _launch("memory", 2, 420, MEMORY_NAMES)
 
 
@@ -632,8 +622,13 @@ def _scenario_memory(w: Worker) -> None:
     state = (peer.group_count(), peer.allocated_bytes())
     w.check("memory: the reopened group allocates the same", state == (1, first_bytes), f"{state}")
     close("memory: second close frees everything")
-    w.step_exact("memory: jitted step compiled before close exact after it", jstep(*jargs[1]), jwants[1], jcfg)
-    close("memory: third close frees everything")
+    res = jstep(*jargs[1])  # its group is closed and nothing traced since reopened it
+    jax.block_until_ready(res)
+    verdict, raised = _judge(res, jwants[1], jcfg), _raises(res.status)
+    ok = verdict.all_nan and verdict.status == (REFUSED | peer.STATUS_CLOSED) and "close()" in (raised or "")
+    w.check(MEMORY_NAMES[-3], ok, f"{verdict}; check_status: {raised}")
+    w.step_exact(MEMORY_NAMES[-2], w.jitted(jcfg, opts, tag="_again")(*jargs[1]), jwants[1], jcfg)
+    close(MEMORY_NAMES[-1])
 
 
 SCENARIOS = dict(

@@ -92,7 +92,7 @@ def test_connect_exports_once_and_imports_every_rank_in_order(monkeypatch, ranks
     mesh = _Mesh([_Device(10 + r, r, 0) for r in range(ranks)])  # one rank per process; this one is `mine`
     row = peer_ipc.encode_row(mesh.devices, mine)
     assert row == tuple(0 if r == mine else -(11 + r) for r in range(ranks))
-    tag = "-".join(str(10 + r) for r in range(ranks)) + "/T4"
+    tag = "-".join(str(10 + r) for r in range(ranks)) + f"/open{peer_ipc._generation}"
     store, native = MemoryStore(), RecordingNative()
     for r in range(ranks):
         if r != mine:
@@ -105,7 +105,7 @@ def test_connect_exports_once_and_imports_every_rank_in_order(monkeypatch, ranks
         ("import", 0, row, 4, [handle(r) for r in range(ranks)]),
     ]
     assert store.values[f"{peer_ipc.KEY_PREFIX}/{tag}/{mine}"] == handle(mine)
-    assert connect() == 0 and len(native.calls) == 2  # connected once per (group, T, R) and process
+    assert connect() == 0 and len(native.calls) == 2  # connected once per group and process (until close)
 
 
 def test_connect_leaves_groups_of_one_process_to_the_handler(monkeypatch):
@@ -127,7 +127,7 @@ def library(tmp_path_factory):
     "ordinal, row, tokens, message",
     [
         (0, (0,) * 17, 4, r"ranks: expected 1..16, got 17"),
-        (0, (0, -2), 0, r"tokens: expected 1..65535, got 0"),
+        (0, (0, -2), 0, r"max_tokens: expected 1..65535, got 0"),
         (1, (0, -2), 4, r"row: expected CUDA ordinal 1 exactly once"),
     ],
 )

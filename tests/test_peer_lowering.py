@@ -43,7 +43,7 @@ def _entry(R, NB, has_delta, groups, reps, build):
         dynamic_smem_bytes=20000 + groups,
         block=[128 if build.fold else 128 * groups, 1, 1],
         cluster=[7, 1, 1],
-        params=[".u64"] * 10 + [".f32", ".f32", ".u32", ".u32"],
+        params=[".u64"] * 10 + [".f32", ".f32", ".u32", ".u32", ".u64"],
     )
 
 
@@ -285,7 +285,7 @@ def test_a_group_with_several_ranks_in_one_of_several_processes_is_refused():
 
 def test_check_status():
     peer.check_status(np.zeros(4, np.int32))
-    with pytest.raises(RuntimeError, match=r"mesh device\(s\) \[1, 3\] gave up polling.*peer.reset\(\)"):
+    with pytest.raises(RuntimeError, match=r"mesh device\(s\) \[1, 3\] failed.*peer.reset\(\)"):
         peer.check_status(np.array([0, 1, 0, 1], np.int32))
 
 
@@ -294,7 +294,9 @@ def test_the_peer_target_is_graph_safe_with_a_record_stage():
     (graph nodes updated in place); the initialize stage (allocation, modules) serves only the
     "traced" registration, where XLA stream-captures execute."""
     stages = ffi.SYMBOLS[ffi.PEER_TARGET]
-    assert stages == ffi.Stages("OprojPeerInitialize", "OprojPeerExecute", "OprojPeerRecord", True)
+    assert stages == ffi.Stages(
+        "OprojPeerInitialize", "OprojPeerExecute", "OprojPeerRecord", True, "OprojPeerInstantiate"
+    )
     names = list(ffi.SYMBOLS)
     i = names.index(ffi.PEER_TARGET)
     for registration, (initialize, record, trait) in {
@@ -303,7 +305,9 @@ def test_the_peer_target_is_graph_safe_with_a_record_stage():
         "direct": (None, None, 0),
     }.items():
         symbols, traits = ffi._stage_table(registration)
-        assert symbols[5 * i : 5 * i + 5] == [None, None, initialize, "OprojPeerExecute", record], registration
+        # instantiate: the per-call-site state (whether its first execution met the other processes)
+        expected = ["OprojPeerInstantiate", None, initialize, "OprojPeerExecute", record]
+        assert symbols[5 * i : 5 * i + 5] == expected, registration
         assert traits[i] == trait, registration
 
 
@@ -312,7 +316,8 @@ def test_check_status_names_each_code():
         peer.check_status(np.array([4, 0], np.int32))
     with pytest.raises(RuntimeError, match=r"status 5 \(1: a mailbox slot stayed empty.*; 4: a peer never re-armed"):
         peer.check_status(np.array([0, 5], np.int32))
-    assert "unknown" in peer.describe_status(8)
+    assert "refused" in peer.describe_status(8) and "close()" in peer.describe_status(24)
+    assert "unknown" in peer.describe_status(32)
 
 
 def test_library_exports_reset_and_it_is_a_no_op_without_groups(library, monkeypatch):

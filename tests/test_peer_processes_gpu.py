@@ -133,7 +133,7 @@ def _worker(process_id: int, count: int, port: int) -> int:
         return 1
     except RuntimeError as err:
         elapsed = time.perf_counter() - start
-        if "gave up polling" not in str(err) or elapsed > 60:
+        if "failed (status" not in str(err) or elapsed > 60:
             print(f"process {process_id}: unexpected error after {elapsed:.1f} s: {err}", flush=True)
             return 1
     peer.reset()

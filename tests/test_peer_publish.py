@@ -87,14 +87,27 @@ def test_every_store_waits_for_an_empty_fragment(ptx):
 
 
 def test_one_status_report_per_launch(ptx):
-    """The CTA's outcome is reduced with one barrier, counted with one relaxed 64-bit atomic by
-    thread 0, and only the CTA that completes the count stores flags[2] and zeroes the counter."""
+    """The CTA's outcomes are reduced with barriers; thread 0 ORs its CTA's code into the
+    accumulator (control + 12), then counts the CTA with one acq_rel 64-bit atomic; only the CTA
+    that completes the count reads the accumulator, stores flags[2] and zeroes both words."""
     body = _body(ptx)
-    (barrier,) = [i for i, line in enumerate(body) if "barrier.red.or.pred" in line]
+    barriers = [i for i, line in enumerate(body) if "barrier.red.or.pred" in line]
     (atomic,) = [i for i, line in enumerate(body) if "atom." in line]
-    assert barrier < atomic and "atom.relaxed.gpu.global.add.u64" in body[atomic]
+    assert len(barriers) == 2 and max(barriers) < atomic and "atom.acq_rel.gpu.global.add.u64" in body[atomic]
     report = body[atomic]
-    assert "%nctaid.x" in report and "@last st.relaxed.gpu.global.b32 [%rd" in report and "+ 8], code;" in report
+    assert "@bad red.relaxed.gpu.global.or.b32 [%rd" in report and report.index("red.relaxed") < report.index("atom.")
+    assert "%nctaid.x" in report and "@last ld.relaxed.gpu.global.b32 all, [%rd" in report
+    assert "@last st.relaxed.gpu.global.b32 [%rd" in report and "+ 8], all;" in report
     assert "@last st.relaxed.gpu.global.u64" in report
-    stores = [line for line in body if _memory(line) and "st." in line]
-    assert sum("st.relaxed.gpu.global.b32" in line for line in stores) == 2  # flags[0] zero, flags[2]
+
+
+def test_the_fail_stop_word_refuses_and_is_set_on_giving_up(ptx):
+    """The fail-stop word (control + 8) is read before the first poll (a refused launch
+    publishes nothing) and in the polling loop (another wave gave up: stop), and a thread that
+    gives up ORs STATUS_UNARMED into it."""
+    body = _body(ptx)
+    reads = [i for i, line in enumerate(body) if "ld.relaxed.gpu.global.b32" in line and "+ 8]" in line]
+    polls = [i for i, line in enumerate(body) if "ld.relaxed.sys.global.v4" in line]
+    assert len(reads) >= 2 and reads[0] < min(polls) and any(r > min(polls) for r in reads)
+    sets = [line for line in body if "red.relaxed.gpu.global.or.b32" in line and "+ 8]" in line]
+    assert sets

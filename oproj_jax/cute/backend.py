@@ -53,8 +53,8 @@ BUILD_COMMAND = "python -m oproj_jax.build"
 # real producer skew and above a first call's allocations on other devices.
 DEFAULT_TIMEOUT_US = 1_000_000
 _STATUS = {1: "a mailbox / gather-row slot", 2: "a twoshot receive slot"}  # codes the kernel stores
-ONESHOT_PARAMS = 14  # kernel parameters per cute/ABI.md
-TWOSHOT_PARAMS = 17
+ONESHOT_PARAMS = len(cute_manifest.ABI_ONESHOT)  # kernel parameters per cute/ABI.md
+TWOSHOT_PARAMS = len(cute_manifest.ABI_TWOSHOT)
 
 
 class CuteResult(NamedTuple):

@@ -47,8 +47,7 @@ from pathlib import Path
 from oproj_jax.cute import manifest as M
 
 ARCH = "sm_90a"
-ABI_ONESHOT = [".u64"] * 10 + [".f32", ".f32", ".u32", ".u32"]  # cute/ABI.md params 0..13
-ABI_TWOSHOT = ABI_ONESHOT + [".u64", ".u64", ".u32"]  # params 14..16
+ABI_ONESHOT, ABI_TWOSHOT = M.ABI_ONESHOT, M.ABI_TWOSHOT
 
 
 # The production family, prebuilt as the folded build (the one build every path launches,
@@ -159,11 +158,12 @@ def consumer_kernel(key: dict, build: M.Build = M.GROUPED, trace: bool = False):
     )
 
 
-def compile_variant(key: dict, build: M.Build = M.GROUPED, trace: bool = False) -> dict:
-    """Compile one variant; returns {"key", "entry", "dynamic_smem_bytes", ..., "cubin_bytes"}.
-    `trace`: the phase-timer build (kernel.TRACE_MARKS; benchmarks/cute_phases.py), never shipped."""
+def compile_variant(key: dict, build: M.Build = M.GROUPED, trace: bool = False, with_ptx: bool = False) -> dict:
+    """Compile one variant; returns {"key", "entry", "dynamic_smem_bytes", ..., "cubin_bytes"}
+    (and "ptx", the PTX text, when `with_ptx`: tests read it). `trace`: the phase-timer build
+    (kernel.TRACE_MARKS), never shipped."""
     import cutlass.cute as cute
-    from cutlass import BFloat16, Float32, Int32, Uint32
+    from cutlass import BFloat16, Float32, Int32, Int64, Uint32
     from cutlass.cute.runtime import make_fake_stream, make_ptr
 
     k = M.normalize_key(key)
@@ -175,7 +175,9 @@ def compile_variant(key: dict, build: M.Build = M.GROUPED, trace: bool = False) 
     args = [ptr(BFloat16, 16) for _ in range(8)] + [ptr(Uint32, 4), ptr(Int32, 4)]
     args += [Float32(0.0), Float32(0.0), Int32(1), Int32(0)]
     launch = kernel.launch_oneshot
-    if k["twoshot"]:
+    if not k["twoshot"]:
+        args += [Int64(0)]  # control
+    else:
         args += [ptr(BFloat16, 16), ptr(BFloat16, 16), Int32(0)]
         launch = kernel.launch_twoshot
     with tempfile.TemporaryDirectory() as dump:
@@ -190,7 +192,9 @@ def compile_variant(key: dict, build: M.Build = M.GROUPED, trace: bool = False) 
     expected = ABI_TWOSHOT if k["twoshot"] else ABI_ONESHOT
     if params != expected:
         raise RuntimeError(f"{M.describe(k)}: PTX params {params} differ from the ABI {expected}")
+    extra = dict(ptx=ptx) if with_ptx else {}
     return dict(
+        **extra,
         key=k,
         min_ctas=build.min_ctas,
         fold=build.fold,

@@ -62,6 +62,8 @@ class DriverLaunch:
         if twoshot is not None:
             recv, gather, me = twoshot
             values += [ctypes.c_uint64(recv), ctypes.c_uint64(gather), ctypes.c_int32(me)]
+        else:
+            values.append(ctypes.c_uint64(0))  # control: none (no fail-stop word)
         params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
         cluster = cu.CUlaunchAttribute()
         cluster.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION

@@ -67,6 +67,7 @@ class Stages(NamedTuple):
     execute: str
     record: str | None  # inside XLA command buffers: graph nodes, updated in place
     command_buffer: bool  # XLA may put the call into a command buffer (the handler is graph-safe)
+    instantiate: str | None = None  # makes the per-call-site state the other stages read
 
 
 # The library's targets: the one table both registration paths read.
@@ -75,7 +76,7 @@ SYMBOLS = {
     TWOSHOT_TARGET: Stages("OprojTwoshotInitialize", "OprojTwoshotExecute", "OprojTwoshotRecord", True),
     READY_TARGET: Stages("OprojOneshotInitialize", "OprojReadyExecute", "OprojReadyRecord", True),
     READY_TRACED_TARGET: Stages("OprojOneshotInitialize", "OprojReadyExecute", None, True),
-    PEER_TARGET: Stages("OprojPeerInitialize", "OprojPeerExecute", "OprojPeerRecord", True),
+    PEER_TARGET: Stages("OprojPeerInitialize", "OprojPeerExecute", "OprojPeerRecord", True, "OprojPeerInstantiate"),
     TRITON_TARGET: Stages("OprojTritonInitialize", "OprojTritonExecute", "OprojTritonRecord", True),
     TRITON_TRACED_TARGET: Stages("OprojTritonInitialize", "OprojTritonExecute", None, True),
 }
@@ -147,6 +148,11 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def library_loaded() -> bool:
+    """Whether this process has loaded the FFI library (nothing of it can be open before)."""
+    return _library is not None
+
+
 def load_library() -> ctypes.CDLL:
     """The built library, loaded once per process. RuntimeError naming where it was looked for
     and the fix when it is missing or does not load (another jaxlib's build, a truncated file)."""
@@ -190,7 +196,7 @@ def _stage_table(registration: str) -> tuple[list[str | None], list[int]]:
         # never captured) loads it on first use. A traced execute must not load it under
         # capture: initialize does it first.
         initialize = None if record or not graph and stages.record else stages.initialize
-        handlers += [None, None, initialize, stages.execute, record]
+        handlers += [stages.instantiate, None, initialize, stages.execute, record]
         traits.append(int(graph))
     return handlers, traits
 

@@ -37,8 +37,17 @@ kernel; the later `wait` the original kernel has at exit is then a no-op and is 
 
 Bounded polling: with timeout_us > 0 a poll gives up once that many microseconds of
 %globaltimer (wall time, the same for every T) have passed since it first found an empty slot,
-stores a code into `status` (1: mailbox, 2: twoshot receive slots) and continues with whatever
-it read. timeout_us = 0 would wait forever: the Python entry points refuse it.
+stores a code into `status` (1: mailbox, 2: twoshot receive slots), and reads NaN (NAN_WORD)
+for every fragment it did not receive, re-arming only those it read: a step that gave up
+returns NaN where a partial was missing, never a finite wrong number. timeout_us = 0 would
+wait forever: the Python entry points refuse it.
+
+Fail-stop (mode="peer", docs/spec.md "Mailbox protocol"): `control` (param 14; 0 elsewhere)
+points at the group's control words. The kernel reads the fail-stop word (control + 8) before
+its first mailbox load: nonzero refuses the call (status STATUS_REFUSED | the word, no mailbox
+access, every fragment NaN). A poll also gives up once the word is set (another CTA of the
+call gave up: one deadline per call, whatever T), and a poll that gives up ORs its code in.
+`T` is the slots' capacity (the slot stride); the launch's own tokens are the grid's y.
 
 FOLDED (fold=True): 128 threads per CTA whatever `groups` is. The one group loads every slot
 and adds the groups' partial sums in group order itself, each partial summed in rank order as
@@ -71,6 +80,8 @@ THREADS = 128  # per group; one group covers 1/7 of the row
 VEC = 8  # bf16 elements per thread (16 bytes)
 ROW_BYTES = THREADS * VEC * 2  # one CTA's slice of one [H] row in smem
 STATUS_MAILBOX, STATUS_RECV = 1, 2
+STATUS_REFUSED = 8  # protocol mode with a control block: the group had failed before the call
+NAN_WORD = 0x7FC07FC0  # two bf16 quiet NaNs: what a fragment given up on reads as
 # trace builds (trace=True, never in the manifest): `status` points at [T, CTAS, TRACE_SLOTS] u64
 # timers: slots 0..13 %clock64 at the phase marks of `body`, 14/15 %globaltimer at entry/exit
 TRACE_SLOTS = 16
@@ -231,34 +242,59 @@ class OprojConsumer:
     @cute.jit
     def poll(self, raw, base: Int64, stride: Int64, n: cutlass.Constexpr[int],
              loaded: cutlass.Constexpr[bool], timeout_us: Int32, status: Int64,
-             code: cutlass.Constexpr[int]):
-        """Poll n slot fragments (base + k*stride) into raw[4k..4k+3] until none is empty."""
+             code: cutlass.Constexpr[int], control: Int64, refused: Int32):
+        """Poll n slot fragments (base + k*stride) into raw[4k..4k+3] until none is empty, or
+        give up (Bounded polling): a refused call (`refused`: the group's fail-stop word as the
+        call found it, nonzero) at once, else after timeout_us or once the fail-stop word is
+        set. Fragments given up on hold NAN_WORD. Returns the mask of those fragments (bit k:
+        fragment k), 0 when complete."""
         if cutlass.const_expr(not loaded):
             for k in cutlass.range_constexpr(n):
-                first = P.ld_poll4(base + k * stride)
+                first = P.ld_first4(base + k * stride, Int32(0), refused)
                 for j in cutlass.range_constexpr(4):
                     raw[4 * k + j] = first[j]
         pending = Int32(0)
         if timeout_us >= 0:  # ready mode (< 0): XLA wrote the data before this kernel; no check
             for k in cutlass.range_constexpr(n):
                 pending = pending | P.pending_bit([raw[4 * k + j] for j in range(4)], 1 << k)
+        live = Int32(refused != 0) - 1  # every bit when polling, none when refused: a refused call loads nothing
+        missing = Int32(0)
         # the clock is read only once something is still empty: ready and complete slots pay nothing
         start = Int64(0)
         if pending != 0:
             start = P.globaltimer()
         while pending != 0:
             for k in cutlass.range_constexpr(n):
-                fresh = P.ld_poll4_if(pending & (1 << k), base + k * stride,
+                fresh = P.ld_poll4_if(pending & live & (1 << k), base + k * stride,
                                       [raw[4 * k + j] for j in range(4)])
                 for j in cutlass.range_constexpr(4):
                     raw[4 * k + j] = fresh[j]
             left = Int32(0)
             for k in cutlass.range_constexpr(n):
                 left = left | P.pending_bit([raw[4 * k + j] for j in range(4)], 1 << k)
-            if P.timed_out(start, timeout_us):
-                P.store_status(status, Int32(code))
+            if (left != 0) & ((refused != 0) | P.timed_out(start, timeout_us) | (P.fail_word(control) != 0)):
+                if refused != 0:
+                    P.store_status(status, refused | Int32(STATUS_REFUSED))
+                else:
+                    P.store_status(status, Int32(code))
+                    P.fail_group(control, Int32(code))
+                missing = left
                 left = Int32(0)
             pending = left
+        if missing != 0:
+            for k in cutlass.range_constexpr(n):
+                if (missing >> k) & 1:
+                    for j in cutlass.range_constexpr(4):
+                        raw[4 * k + j] = cutlass.Uint32(NAN_WORD)
+        return missing
+
+    @cute.jit
+    def rearm_received(self, base: Int64, stride: Int64, n: cutlass.Constexpr[int], missing: Int32):
+        """Re-arm the n fragments of a protocol-mode poll that were read (not those given up on:
+        a late publish may still land there; docs/spec.md "Mailbox protocol")."""
+        for k in cutlass.range_constexpr(n):
+            if ((missing >> k) & 1) == 0:
+                P.rearm(base + k * stride)
 
     @cute.jit
     def twoshot_reduce(self, raw, recv: Int64, gather: Int64, me: Int32, T: Int32, token: Int32,
@@ -274,7 +310,7 @@ class OprojConsumer:
             for first in cutlass.range_constexpr(0, self.R, TWOSHOT_CHUNK):
                 n = min(TWOSHOT_CHUNK, self.R - first)
                 self.poll(raw, base + first * stride, stride, n, False, timeout_us, status,
-                          STATUS_RECV)
+                          STATUS_RECV, Int64(0), Int32(0))
                 if cutlass.const_expr(first == 0):
                     total = self.sum_slots(raw, n)
                 else:  # fold each slot into the running sum: plain rank order (docs/spec.md, "Twoshot")
@@ -292,7 +328,7 @@ class OprojConsumer:
     def body(self, mailbox: Int64, prefix: Int64, blocks: Int64, norm: Int64, query: Int64,
              out_norm: Int64, output: Int64, xmoe: Int64, hints: Int64, status: Int64,
              eps: Float32, out_eps: Float32, T: Int32, timeout_us: Int32, recv: Int64,
-             gather: Int64, me: Int32):
+             gather: Int64, me: Int32, control: Int64):
         L, H, NB = self.layout, self.H, self.NB
         rank, token, _ = cute.arch.block_idx()
         thread, _, _ = cute.arch.thread_idx()
@@ -310,12 +346,18 @@ class OprojConsumer:
 
         h = (rank * THREADS + t) * VEC
         row = Int64(token) * H + h  # element offset of this thread's fragment in a [T, H] row
-        slot_stride = Int64(T) * (H * 2)  # bytes between mailbox slots
+        tokens = P.nctaid_y()  # this launch's tokens (T is the mailbox slots' capacity)
+        slot_stride = Int64(T) * (H * 2)  # bytes between mailbox slots (T: the slots' capacity)
         frag = mailbox + row * 2
         raw = cute.make_rmem_tensor(cute.make_layout(4 * self.raw_slots), cutlass.Uint32)
 
         first_slots = self.slots if self.fold else min(self.S, self.slots)  # group 0's slots
         ready_nc = Int32((timeout_us < 0) & (T >= READY_NC_MIN_T))  # see Ready mode
+        # Fail-stop (protocol mode with a control block): a group that failed before refuses
+        # the call before any mailbox load (the mailbox of a closed group may be gone)
+        refused = Int32(0)  # the fail-stop word as the call found it (its bits say why)
+        if timeout_us >= 0:
+            refused = P.fail_word(control)
         if group == 0:
             # -- prefetch this thread's 16-byte slices into smem --------------------------
             cta = Int64(rank * THREADS * VEC)  # the CTA's first element of a row
@@ -328,7 +370,7 @@ class OprojConsumer:
             P.cp_async_commit()  # group 1: what the rank sum needs (prefix) and the weights
             if cutlass.const_expr(not self.twoshot):
                 for k in cutlass.range_constexpr(first_slots):  # first polling round, early
-                    words = P.ld_first4(frag + k * slot_stride, ready_nc)
+                    words = P.ld_first4(frag + k * slot_stride, ready_nc, refused)
                     for j in cutlass.range_constexpr(4):
                         raw[4 * k + j] = words[j]
             # group 2: the blocks, needed only after the rank sum. Waiting for group 1 alone lets
@@ -341,7 +383,7 @@ class OprojConsumer:
             for g in cutlass.range_constexpr(1, self.poll_groups):
                 if group == g:  # first polling round of group g's slots, early
                     for k in cutlass.range_constexpr(min(self.S, self.slots - g * self.S)):
-                        words = P.ld_first4(frag + (g * self.S + k) * slot_stride, ready_nc)
+                        words = P.ld_first4(frag + (g * self.S + k) * slot_stride, ready_nc, refused)
                         for j in cutlass.range_constexpr(4):
                             raw[4 * k + j] = words[j]
         mark("loads_issued")
@@ -377,8 +419,8 @@ class OprojConsumer:
             # -- rank sum: own slots, then the other groups' partial sums in group order ----
             if cutlass.const_expr(self.twoshot):
                 self.twoshot_reduce(raw, recv, gather, me, T, token, h, timeout_us, status)
-            self.poll(raw, frag, slot_stride, first_slots, not self.twoshot, timeout_us, status,
-                      STATUS_MAILBOX)
+            missing = self.poll(raw, frag, slot_stride, first_slots, not self.twoshot, timeout_us,
+                                status, STATUS_MAILBOX, control, refused)
             attn = self.sum_slots(raw, min(self.S, self.slots))
             if cutlass.const_expr(self.fold):  # each group's partial sum, added in group order
                 for g in cutlass.range_constexpr(1, self.poll_groups):
@@ -406,8 +448,7 @@ class OprojConsumer:
             P.st4(prefix + row * 2, p_words)
             mark("prefix_stored")
             if timeout_us >= 0:
-                for k in cutlass.range_constexpr(first_slots):
-                    P.rearm(frag + k * slot_stride)
+                self.rearm_received(frag, slot_stride, first_slots, missing)
 
             if cutlass.const_expr(NB > 0):
                 # -- every row statistic, one cluster exchange (row_stats) -------------------
@@ -470,7 +511,7 @@ class OprojConsumer:
             if cutlass.const_expr(self.reps > 0):
                 clean = [P.without_negative_zero(w) for w in words]
                 for rep in cutlass.range_constexpr(self.reps):
-                    P.st4_relaxed_gpu(xmoe + (Int64(rep) * T * H + row) * 2, clean)
+                    P.st4_relaxed_gpu(xmoe + (Int64(rep) * tokens * H + row) * 2, clean)
                 P.sync_warp()
                 if lane == 0:
                     P.release_add(hints, 1)
@@ -479,26 +520,25 @@ class OprojConsumer:
                 if group == g:
                     n = min(self.S, self.slots - g * self.S)
                     base = frag + (g * self.S) * slot_stride
-                    self.poll(raw, base, slot_stride, n, True, timeout_us, status,
-                              STATUS_MAILBOX)
+                    lost = self.poll(raw, base, slot_stride, n, True, timeout_us, status,
+                                     STATUS_MAILBOX, control, refused)
                     values = self.sum_slots(raw, n)
                     for half in cutlass.range_constexpr(2):
                         P.sts4_f32(smem + L.parts + (((g - 1) * 2 + half) * THREADS + t) * 16,
                                    values[4 * half: 4 * half + 4])
                     P.bar_arrive(2, THREADS * self.poll_groups)
                     if timeout_us >= 0:
-                        for k in cutlass.range_constexpr(n):
-                            P.rearm(base + k * slot_stride)
+                        self.rearm_received(base, slot_stride, n, lost)
 
     @cute.kernel
     def kernel_oneshot(self, mailbox: cute.Pointer, prefix: cute.Pointer, blocks: cute.Pointer,
                        norm: cute.Pointer, query: cute.Pointer, out_norm: cute.Pointer,
                        output: cute.Pointer, xmoe: cute.Pointer, hints: cute.Pointer,
                        status: cute.Pointer, eps: Float32, out_eps: Float32, T: Int32,
-                       timeout_us: Int32):
+                       timeout_us: Int32, control: Int64):
         self.body(mailbox.toint(), prefix.toint(), blocks.toint(), norm.toint(), query.toint(),
                   out_norm.toint(), output.toint(), xmoe.toint(), hints.toint(), status.toint(),
-                  eps, out_eps, T, timeout_us, Int64(0), Int64(0), Int32(0))
+                  eps, out_eps, T, timeout_us, Int64(0), Int64(0), Int32(0), control)
 
     @cute.kernel
     def kernel_twoshot(self, mailbox: cute.Pointer, prefix: cute.Pointer, blocks: cute.Pointer,
@@ -508,7 +548,7 @@ class OprojConsumer:
                        timeout_us: Int32, recv: cute.Pointer, gather: cute.Pointer, me: Int32):
         self.body(mailbox.toint(), prefix.toint(), blocks.toint(), norm.toint(), query.toint(),
                   out_norm.toint(), output.toint(), xmoe.toint(), hints.toint(), status.toint(),
-                  eps, out_eps, T, timeout_us, recv.toint(), gather.toint(), me)
+                  eps, out_eps, T, timeout_us, recv.toint(), gather.toint(), me, Int64(0))
 
     def _launch_config(self, T, stream):
         return dict(grid=[CTAS, T, 1], block=[self.threads, 1, 1], cluster=[CTAS, 1, 1],
@@ -522,9 +562,9 @@ class OprojConsumer:
                        norm: cute.Pointer, query: cute.Pointer, out_norm: cute.Pointer,
                        output: cute.Pointer, xmoe: cute.Pointer, hints: cute.Pointer,
                        status: cute.Pointer, eps: Float32, out_eps: Float32, T: Int32,
-                       timeout_us: Int32, stream):
+                       timeout_us: Int32, control: Int64, stream):
         self.kernel_oneshot(mailbox, prefix, blocks, norm, query, out_norm, output, xmoe, hints,
-                            status, eps, out_eps, T, timeout_us).launch(
+                            status, eps, out_eps, T, timeout_us, control).launch(
             **self._launch_config(T, stream))
 
     @cute.jit

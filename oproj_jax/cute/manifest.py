@@ -159,6 +159,12 @@ class Build(NamedTuple):
 # and protocol mode, where its one group polls and re-arms every slot itself (kernel.py,
 # "FOLDED"). So one cubin per key serves every path, and the default set ships the grouped
 # builds only for the keys the GPU tests and benchmarks compare them on (build.py).
+# The consumer's PTX parameter list (cute/ABI.md), written once: build.py checks every compiled
+# entry against it, backend.py every manifest entry it launches.
+ABI_COMMON = [".u64"] * 10 + [".f32", ".f32", ".u32", ".u32"]  # params 0..13
+ABI_ONESHOT = ABI_COMMON + [".u64"]  # param 14: control
+ABI_TWOSHOT = ABI_COMMON + [".u64", ".u64", ".u32"]  # params 14..16
+
 GROUPED, GROUPED_BOUNDED, FOLDED = Build(0), Build(3), Build(0, True)
 BUILDS = (GROUPED, GROUPED_BOUNDED, FOLDED)
 # The build protocol mode (backend.consume, consume_twoshot, mode="peer") launches. Set it to

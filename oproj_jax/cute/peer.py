@@ -6,34 +6,31 @@ of every rank's mailbox, and each rank's consumer polls its own mailbox (the ker
 protocol, docs/spec.md "Mailbox protocol"): no XLA collective, one FFI call per rank and step.
 
 Design (C++: oproj_jax/cute/csrc/peer_ffi.cc, which has the exact safety, progress and
-deadlock-freedom arguments):
+deadlock-freedom arguments; docs/spec.md "Peer mode"):
   * The mailboxes belong to the FFI handler, not to XLA: a rank's partial must land in another
     GPU's buffer that the other rank's XLA program does not know about. Per group of devices
-    (CUDA ordinals in rank order), T and R, ONE mailbox [R, T, H] per device (plus a small
-    control block), allocated on first use in each device's primary context, peer access
-    enabled between every pair, armed with the sentinel once; in one process driving every GPU
-    of the group (JAX's single-host layout), or one rank per process (see "Processes" below).
+    (CUDA ordinals in rank order) ONE mailbox [R, max_tokens, H] per device, allocated when the
+    group opens and used by every T <= PeerOptions.max_tokens (rows 0..T-1 of each slot), armed
+    with the sentinel; close() frees it. In one process driving every GPU of the group (JAX's
+    single-host layout), or one rank per process (see "Processes" below).
   * One FFI target per step, `oproj_cute_peer`: (1) the publish kernel (cute/publish.py) takes
     this rank's partial (-0.0 -> +0.0) and, fragment by fragment, WAITS until its slot in each
-    rank's mailbox is empty again (all four 32-bit words of the fragment are the sentinel: the
-    owner consumed the previous step and re-armed it), then stores it there; (2) the consumer
-    cubin in protocol mode (timeout_us >= 0, manifest.build_for(T, ready=False)) polls, sums in
-    the `groups` order, re-arms each fragment after reading it. The prefix is updated in place
-    (aliased) as in the other targets.
+    rank's mailbox is empty again, then stores it there; (2) the consumer cubin in protocol
+    mode polls, sums in the `groups` order, re-arms each fragment after reading it. The prefix
+    is updated in place (aliased) as in the other targets.
   * No step counter anywhere: the mailbox's contents say who may write what, so the target is
-    graph-safe. Inside an XLA command buffer (CUDA graph) its record stage adds the two kernels
-    as graph nodes (publish, then the consumer with cluster (7, 1, 1), PDL edges) and only
-    rewrites their arguments when XLA's buffers move: a jitted chain of steps pays the kernels,
-    not XLA's per-thunk host dispatch.
-  * Ordering: a rank's peer calls for one (group, T, R) must run in the same order on every
-    rank and one after the other on each device, which XLA's thunk sequence and its default
+    graph-safe (a record stage adds the two kernels as graph nodes inside XLA's command buffers).
+  * Ordering: a rank's peer calls for one group must run in the same order on every rank and
+    one after the other on each device, which XLA's thunk sequence and its default
     command-buffer scheduling give (not --xla_gpu_command_buffer_scheduling_mode=CONCURRENT).
-  * Bounded waits: a slot still empty after `timeout_us` microseconds makes the consumer
-    report status 1 (it then finishes on whatever it read); a slot its owner never re-armed
-    within `timeout_us` microseconds makes the publish report status 4 (and store nothing there).
-    `tp_consumer(..., mode="peer")` returns the status per rank (the OR of both); eager calls
-    check it, jitted callers call check_status. After such an error the mailboxes may hold a
-    late publish nobody will consume: call reset().
+  * Fail-stop: every wait is bounded by `timeout_us` per call (not per wave). A call that gives
+    up returns NaN wherever a partial was missing and sets its rank's fail-stop word; from then
+    on every step of that rank is refused (status STATUS_REFUSED, all NaN, no mailbox access)
+    until reset(), and the ranks waiting for it fail in turn: a late publish is never consumed
+    as a later step's partial, even where nobody reads the status.
+  * First calls meet: with one process per rank, the first execution of each compiled step
+    waits (on the host, at most connect_timeout_s) for the other ranks' first execution, so
+    compile skew never reaches timeout_us.
 
 Bits: every rank sums the same R slots in the same rank/group order as mode="oneshot" with
 the same `groups` (the grouped build sums exactly as the folded build ready mode uses), so the
@@ -51,12 +48,13 @@ between them.
 
 What only a GPU run covers: the publish kernel, the FFI handler (allocation, peer access, the
 record stage inside XLA command buffers), the cross-GPU ordering and the timeouts
-(tests/test_peer_gpu.py). The CPU tests cover a numpy model of the protocol, the publish
+(tests/test_peer_gpu.py, tests/test_peer_faults_gpu.py: R processes on one GPU). The CPU tests cover a numpy model of the protocol, the publish
 kernel's PTX, the lowering and the error paths (tests/test_peer_*.py).
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import dataclasses
 from typing import NamedTuple
@@ -72,15 +70,26 @@ from oproj_jax.cute import manifest as cute_manifest
 from oproj_jax.options import Options
 
 MAX_RANKS = 16  # cute/publish.py MAX_RANKS: one publish launch writes every rank's slot
-RESET_SYMBOL = "OprojPeerReset"
-GROUP_COUNT_SYMBOL = "OprojPeerGroupCount"
+DEFAULT_MAX_TOKENS = 512  # rows per mailbox slot: R * 512 * H * 2 bytes per device (117 MiB at R=16)
+RESET_SYMBOL, CLOSE_SYMBOL = "OprojPeerReset", "OprojPeerClose"
+GROUP_COUNT_SYMBOL, ALLOCATED_SYMBOL, FAILED_SYMBOL = (
+    "OprojPeerGroupCount",
+    "OprojPeerAllocatedBytes",
+    "OprojPeerFailed",
+)
 # Status bits (PeerResult.status is the OR of the consumer's word and the publish kernel's word)
 STATUS_EMPTY_SLOT = 1  # the consumer: a slot stayed empty (kernel.STATUS_MAILBOX)
 STATUS_UNARMED = 4  # the publish kernel: a peer never re-armed its slot (publish.STATUS_UNARMED)
+STATUS_REFUSED = 8  # both: the group had failed before the call; it wrote NaN only (kernel/publish.STATUS_REFUSED)
+STATUS_CLOSED = 16  # the group was closed by close(); with STATUS_REFUSED (csrc/peer_ffi.cc kClosed)
 _STATUS = {
     STATUS_EMPTY_SLOT: "a mailbox slot stayed empty: a rank did not publish its partial in time",
     STATUS_UNARMED: "a peer never re-armed its slot: its consumer of the previous step did not run in time, so "
     "this rank's partial was not stored there",
+    STATUS_REFUSED: "refused: an earlier step of the group failed, so every later step only writes NaN until "
+    "oproj_jax.cute.peer.reset()",
+    STATUS_CLOSED: "the group was closed by oproj_jax.cute.peer.close(): trace the step again (a new jax.jit) to "
+    "reopen it",
 }
 # cute/publish.py PUBLISH_PARAMS: src, dest_0..15, n_dest, flags, fragments, timeout_us, control
 PUBLISH_PARAMS = [".u64"] * (1 + MAX_RANKS) + [".u32", ".u64", ".u32", ".u32", ".u64"]
@@ -90,22 +99,35 @@ PUBLISH_PARAMS = [".u64"] * (1 + MAX_RANKS) + [".u32", ".u64", ".u32", ".u32", "
 class PeerOptions:
     """Options of mode="peer" (static: part of the compiled program).
 
-    timeout_us: microseconds of wall time (the GPU's %globaltimer) before a consumer gives up
-        on an empty slot, or the publish kernel on a slot its owner has not re-armed, and
-        reports it; an int in [1, 2**31), no "forever". The default (one second) is far above
-        the skew between ranks' launches, even on a first call that allocates the mailboxes.
-    connect_timeout_s: seconds each process waits, when it traces a step of a group spanning
-        processes, for the other processes' mailbox handles (they trace the same step); > 0.
+    timeout_us: microseconds of wall time (the GPU's %globaltimer) a call waits for its peers
+        before it gives up (a slot still empty, or not re-armed by its owner) and reports it:
+        one deadline per call, whatever T is (the first to give up sets the group's fail-stop
+        word and every other wave of the call stops at its next poll); an int in [1, 2**31), no
+        "forever". The default, one second, is about 10^5 times a step's normal skew between
+        ranks (microseconds); launch skew from compiling is absorbed by the first-call meeting
+        (connect_timeout_s), never by this timeout.
+    connect_timeout_s: seconds a process waits for the other processes of a group: for their
+        mailbox handles when it traces a step, and at the first execution of each compiled
+        step, where the ranks meet before any kernel waits; > 0.
+    max_tokens: rows of each mailbox slot: the group's one mailbox holds R * max_tokens * H
+        bf16 per device, allocated once and used by every T <= max_tokens; a larger T raises a
+        ValueError naming max_tokens. Every call of a group uses the same value (close() first
+        to change it).
     skip_publish_rank: TESTS ONLY. That rank publishes nothing, so every rank's consumer times
         out: how the GPU tests check that a missing rank becomes an error in bounded time.
     """
 
     timeout_us: int = backend.DEFAULT_TIMEOUT_US
     connect_timeout_s: float = 300.0
+    max_tokens: int = DEFAULT_MAX_TOKENS
     skip_publish_rank: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "timeout_us", backend.check_timeout_us(self.timeout_us))
+        cap = self.max_tokens
+        if isinstance(cap, bool) or not isinstance(cap, (int, np.integer)) or not 1 <= cap <= 65535:
+            raise ValueError(f"max_tokens: expected an int in 1..65535 (rows per mailbox slot), got {cap!r}")
+        object.__setattr__(self, "max_tokens", int(cap))
         wait = self.connect_timeout_s
         if isinstance(wait, bool) or not isinstance(wait, (int, float, np.integer, np.floating)) or not wait > 0:
             raise ValueError(f"connect_timeout_s: expected seconds > 0, got {wait!r}")
@@ -121,7 +143,7 @@ class PeerResult(NamedTuple):
     output: jax.Array  # [T, H] bf16
     xmoe: jax.Array | None  # [reps, T, H] bf16, None when reps == 0
     status: jax.Array  # i32, one word per device in mesh order (rank order on a 1-D mesh): 0 = ok, else
-    # the OR of STATUS_EMPTY_SLOT (1) and STATUS_UNARMED (4)
+    # the OR of STATUS_EMPTY_SLOT (1), STATUS_UNARMED (4), STATUS_REFUSED (8), STATUS_CLOSED (16)
 
 
 # ---- what the mode needs ----------------------------------------------------------------------
@@ -157,11 +179,16 @@ def unavailable_reason(platform: str) -> str | None:
     return None
 
 
-def unsupported_reason(dims: Dims, **options) -> str | None:
+def unsupported_reason(dims: Dims, max_tokens: int = DEFAULT_MAX_TOKENS, **options) -> str | None:
     """Why mode="peer" cannot serve one rank's view `dims` (R = the group's size) with the
-    consumer's `options`, or None."""
+    consumer's `options` and mailboxes of `max_tokens` rows, or None."""
     if dims.R > MAX_RANKS:
         return f"mode='peer' serves groups of up to {MAX_RANKS} ranks, got R = {dims.R}"
+    if dims.T > max_tokens:
+        return (
+            f"T = {dims.T} tokens exceeds the mailboxes' max_tokens = {max_tokens}: raise "
+            f"PeerOptions(max_tokens=...) (R * max_tokens * H * 2 bytes per device)"
+        )
     return backend.unsupported_reason(dims, ready=False, **options)
 
 
@@ -174,10 +201,11 @@ def group_table(mesh, axis_name: str) -> tuple[tuple[int, ...], ...]:
     return tuple(peer_ipc.encode_row(row, jax.process_index()) for row in peer_ipc.group_rows(mesh, axis_name))
 
 
-def connect(mesh, axis_name: str, table, tokens: int, options: PeerOptions) -> None:
-    """Maps the mailboxes of every group of `table` that spans processes (once per group, T and
-    process; a no-op for groups of one process). Every process of such a group must call it."""
-    peer_ipc.connect(mesh, axis_name, table, tokens, options.connect_timeout_s)
+def connect(mesh, axis_name: str, table, options: PeerOptions) -> None:
+    """Maps the mailboxes of every group of `table` that spans processes (once per group and
+    process until close(); a no-op for groups of one process). Every process of such a group
+    must call it."""
+    peer_ipc.connect(mesh, axis_name, table, options.max_tokens, options.connect_timeout_s)
 
 
 # ---- the call ---------------------------------------------------------------------------------
@@ -202,6 +230,8 @@ def consume(
     opts = Options.from_kwargs(consumer_options)
     T, H = prefix.shape
     R = len(table[0])
+    if T > options.max_tokens:
+        raise ValueError(f"max_tokens: {unsupported_reason(Dims(R, T, blocks.shape[1], H), options.max_tokens)}")
     kernel = backend._kernel(backend.kernel_key(R, blocks.shape[1], twoshot=False, **opts.asdict()), T, False)
     publish_cubin, publish_entry = _publish_kernel()
     ffi.register_targets()
@@ -227,6 +257,8 @@ def consume(
         publish_entry=publish_entry,
         group=np.asarray(table, np.int64).reshape(-1),
         ranks=np.int64(R),
+        max_tokens=np.int64(options.max_tokens),
+        connect_timeout_s=np.float32(options.connect_timeout_s),
         skip_rank=np.int32(skip),
     )
     # flags: [0] the consumer's status, [1] its hints counter (scratch), [2] the publish status
@@ -244,19 +276,25 @@ def describe_status(code: int) -> str:
 
 def check_status(status) -> None:
     """Raises RuntimeError if any device's status word (PeerResult.status: one i32 per device of
-    the mesh, in mesh order; on a 1-D mesh the rank) is nonzero: a slot stayed empty for
-    timeout_us microseconds (a rank did not publish in time), or a peer's slot was not
-    re-armed within timeout_us microseconds (its previous consumer did not run in time), so the
-    outputs of that step are not valid. Reading it waits for the step to finish. With several
+    the mesh, in mesh order; on a 1-D mesh the rank) is nonzero, or if a group of this process
+    has failed since (its fail-stop word, read from the GPU: a later step, or another rank's
+    failure that this rank's step did not see yet). A nonzero word means the outputs of that
+    step are not valid (they are NaN where a partial was missing, docs/spec.md); see
+    describe_status for the bits. Reading it waits for the step to finish. With several
     processes each checks the words of its own devices (a missing rank stalls every rank)."""
     words = dict(_status_words(status))
     failed = sorted(r for r, word in words.items() if word)
-    if failed:
-        what = ", ".join(describe_status(c) for c in sorted({words[r] for r in failed}))
-        raise RuntimeError(
-            f"mode='peer': the step on mesh device(s) {failed} gave up polling ({what}); the outputs of that step are "
-            f"not valid. Call oproj_jax.cute.peer.reset() (with no call in flight) before the next peer step"
+    live = failed_word()
+    if failed or live:
+        codes = sorted({words[r] for r in failed} | ({live} if live else set()))
+        what = ", ".join(describe_status(c) for c in codes)
+        where = f"the step on mesh device(s) {failed}" if failed else "a later step of a group of this process"
+        fix = (
+            "trace the step again to reopen the group"
+            if all(c & STATUS_CLOSED for c in codes)
+            else "call oproj_jax.cute.peer.reset() in every process (with no call in flight) before the next peer step"
         )
+        raise RuntimeError(f"mode='peer': {where} failed ({what}); the outputs of that step are not valid. Then {fix}")
 
 
 def _status_words(status):
@@ -270,31 +308,92 @@ def _status_words(status):
     yield from enumerate(int(w) for w in np.asarray(status).reshape(-1))
 
 
-_resets = 0  # reset() calls in this process: names its barriers (the same count in every process)
+def _native(symbol: str, restype, argtypes=()):
+    fn = getattr(ffi.load_library(), symbol)
+    fn.restype, fn.argtypes = restype, list(argtypes)
+    return fn
+
+
+def _call_with_message(symbol: str, what: str) -> int:
+    message = ctypes.create_string_buffer(1024)
+    value = _native(symbol, ctypes.c_int64, [ctypes.c_char_p, ctypes.c_size_t])(message, len(message))
+    if value < 0:
+        raise RuntimeError(f"oproj_jax.cute.peer.{what}: {message.value.decode(errors='replace')}")
+    return int(value)
+
+
+def failed_word() -> int:
+    """The OR of the fail-stop words of every group open in this process (0: none has failed;
+    else the status bits of the failure). No group open: 0, without touching a GPU."""
+    if not ffi.library_loaded() or group_count() == 0:
+        return 0
+    return _call_with_message(FAILED_SYMBOL, "failed_word")
+
+
+_barriers = 0  # reset()/close() calls in this process: names their barriers (the same count everywhere)
+
+
+def _everywhere(name: str, timeout_s: float, action) -> None:
+    """Runs `action` between two barriers of every process (jax.distributed; a no-op barrier
+    with one process): before it no step is in flight anywhere, after it every process is done."""
+    global _barriers
+    _barriers += 1
+    processes.barrier(f"oproj_jax/peer/{name}/{_barriers}/before", timeout_s)
+    action()
+    processes.barrier(f"oproj_jax/peer/{name}/{_barriers}/after", timeout_s)
 
 
 def reset(timeout_s: float = 300.0) -> None:
-    """Re-arms the mailboxes this process owns (and zeroes their control blocks). Needed after a
-    step that reported a nonzero status: a late rank may have written a slot nobody will
-    consume, which the next step would read as its own. Call only with no peer call in flight
-    on any device (jax.block_until_ready on everything first). With several processes
-    (jax.distributed) call it in every process: it waits (at most `timeout_s` seconds) for all
-    of them before re-arming, so no step is in flight anywhere, and after, so no rank publishes
-    into a slot that is still to be re-armed. Without any group allocated: a no-op here."""
-    global _resets
-    _resets += 1
-    processes.barrier(f"oproj_jax/peer/reset/{_resets}/before", timeout_s)
-    library = ffi.load_library()
-    message = ctypes.create_string_buffer(1024)
-    fn = getattr(library, RESET_SYMBOL)
-    fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_char_p, ctypes.c_size_t]
-    if fn(message, len(message)) != 0:
-        raise RuntimeError(f"oproj_jax.cute.peer.reset: {message.value.decode(errors='replace')}")
-    processes.barrier(f"oproj_jax/peer/reset/{_resets}/after", timeout_s)
+    """Re-arms the mailboxes this process owns and clears their fail-stop words: after a step
+    that failed (nonzero status), every later step of the group is refused until then. Call only
+    with no peer call in flight on any device (jax.block_until_ready on everything first), in
+    every process of the group (jax.distributed): it waits at most `timeout_s` seconds for all of
+    them before re-arming, so no step is in flight anywhere, and after, so no rank publishes into
+    a slot that is still to be re-armed. Without any group open: a no-op here."""
+    _everywhere("reset", timeout_s, lambda: _call_with_message(RESET_SYMBOL, "reset"))
+
+
+def close(timeout_s: float = 300.0) -> None:
+    """Frees every group's mailboxes in this process and closes its mappings of other processes'
+    mailboxes (allocated_bytes() and group_count() return 0 after). A step traced afterwards
+    opens its group again; an executable compiled before still refers to the closed group: its
+    steps are refused with STATUS_CLOSED and NaN results (never a fault) until it is traced
+    again, except for groups of one process, which its next execution reopens (unless XLA
+    recorded it into a command buffer). Call with no peer call in flight, in every process of
+    the group (waits at most `timeout_s` for all of them before and after). Also runs at
+    interpreter exit."""
+
+    def action():
+        if ffi.library_loaded():
+            _call_with_message(CLOSE_SYMBOL, "close")
+        peer_ipc.forget()
+
+    _everywhere("close", timeout_s, action)
 
 
 def group_count() -> int:
-    """How many (group, T, R) mailbox sets the handler has allocated in this process."""
-    fn = getattr(ffi.load_library(), GROUP_COUNT_SYMBOL)
-    fn.restype, fn.argtypes = ctypes.c_int64, []
-    return int(fn())
+    """How many groups have mailboxes open in this process (one per group, whatever T)."""
+    if not ffi.library_loaded():
+        return 0
+    return int(_native(GROUP_COUNT_SYMBOL, ctypes.c_int64)())
+
+
+def allocated_bytes() -> int:
+    """Bytes of mailbox memory this process holds: R * max_tokens * H * 2 plus 256 per open group
+    and device of this process (the control words, 64 KiB per device once, are not counted)."""
+    if not ffi.library_loaded():
+        return 0
+    return int(_native(ALLOCATED_SYMBOL, ctypes.c_int64)())
+
+
+def _close_at_exit() -> None:
+    """Interpreter exit: frees this process's mailboxes (without barriers: other processes may be
+    gone already; the driver would release them with the context anyway)."""
+    try:
+        if ffi.library_loaded() and group_count():
+            _call_with_message(CLOSE_SYMBOL, "close")
+    except Exception:  # exit: nothing left to report to
+        pass
+
+
+atexit.register(_close_at_exit)

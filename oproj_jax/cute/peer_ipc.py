@@ -8,7 +8,8 @@ store, and each process maps the others' mailboxes into its device's context
 (OprojPeerImport). From then on the FFI stages see the group as they see a group of one
 process, and the protocol (peer.py, docs/spec.md "Mailbox protocol") is the same.
 
-`connect` runs when tp_consumer(mode="peer") traces a step, once per (group, T, R) and process;
+`connect` runs when tp_consumer(mode="peer") traces a step, once per group and process (again
+after peer.close());
 every process of the group traces the same step (SPMD), so each waits at most
 `timeout_s` for the others' handles and names the rank that did not answer.
 
@@ -35,7 +36,8 @@ KEY_PREFIX = "oproj_jax/peer"
 EXPORT_SYMBOL, IMPORT_SYMBOL = "OprojPeerExport", "OprojPeerImport"
 
 _lock = threading.Lock()
-_connected: set[tuple] = set()  # (row, T, R) connected in this process
+_connected: set[tuple] = set()  # (row, max_tokens) connected in this process (until close)
+_generation = 0  # close() calls in this process: names the exchanges of a reopened group
 
 
 class Store(Protocol):
@@ -115,9 +117,9 @@ def exchange(store: Store, tag: str, rank: int, ranks: int, mine: bytes, timeout
 
 
 class Native(Protocol):
-    def export(self, ordinal: int, row: tuple[int, ...], tokens: int) -> bytes: ...
+    def export(self, ordinal: int, row: tuple[int, ...], max_tokens: int) -> bytes: ...
 
-    def import_(self, ordinal: int, row: tuple[int, ...], tokens: int, handles: list[bytes]) -> None: ...
+    def import_(self, ordinal: int, row: tuple[int, ...], max_tokens: int, handles: list[bytes]) -> None: ...
 
 
 class LibraryNative:
@@ -132,50 +134,59 @@ class LibraryNative:
             fn.argtypes = common + [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
 
     @staticmethod
-    def _call(fn, ordinal, row, tokens, data, what):
+    def _call(fn, ordinal, row, max_tokens, data, what):
         values = (ctypes.c_int64 * len(row))(*row)
         message = ctypes.create_string_buffer(1024)
-        if fn(ordinal, values, len(row), tokens, data, message, len(message)) != 0:
+        if fn(ordinal, values, len(row), max_tokens, data, message, len(message)) != 0:
             raise RuntimeError(f"mode='peer' ({what}): {message.value.decode(errors='replace')}")
 
-    def export(self, ordinal, row, tokens):
+    def export(self, ordinal, row, max_tokens):
         handle = ctypes.create_string_buffer(HANDLE_BYTES)
-        self._call(self._export, ordinal, row, tokens, handle, "exporting this rank's mailbox")
+        self._call(self._export, ordinal, row, max_tokens, handle, "exporting this rank's mailbox")
         return handle.raw
 
-    def import_(self, ordinal, row, tokens, handles):
-        self._call(self._import, ordinal, row, tokens, b"".join(handles), "mapping the other ranks' mailboxes")
+    def import_(self, ordinal, row, max_tokens, handles):
+        self._call(self._import, ordinal, row, max_tokens, b"".join(handles), "mapping the other ranks' mailboxes")
 
 
 def connect(
     mesh,
     axis_name: str,
     table: tuple[tuple[int, ...], ...],
-    tokens: int,
+    max_tokens: int,
     timeout_s: float,
     *,
     store: Callable[[], Store] = DistributedStore,
     native: Callable[[], Native] | None = None,
 ) -> int:
     """Connects every cross-process row of `table` (peer.group_table(mesh, axis_name)) that holds
-    a device of this process, for `tokens` tokens; returns how many it connected now."""
+    a device of this process, with mailboxes of `max_tokens` rows; returns how many it connected
+    now."""
     done = 0
     for row, encoded in zip(group_rows(mesh, axis_name), table):
         if min(encoded) >= 0 or max(encoded) < 0:  # one process's group, or none of ours
             continue
-        key = (encoded, int(tokens), len(encoded))
+        key = (encoded, int(max_tokens))
         with _lock:
             if key in _connected:
                 continue
             rank = next(i for i, v in enumerate(encoded) if v >= 0)
             lib = native() if native else LibraryNative(_library())
-            mine = lib.export(encoded[rank], encoded, int(tokens))
-            tag = "-".join(str(int(d.id)) for d in row) + f"/T{int(tokens)}"
+            mine = lib.export(encoded[rank], encoded, int(max_tokens))
+            tag = "-".join(str(int(d.id)) for d in row) + f"/open{_generation}"
             handles = exchange(store(), tag, rank, len(encoded), mine, timeout_s)
-            lib.import_(encoded[rank], encoded, int(tokens), handles)
+            lib.import_(encoded[rank], encoded, int(max_tokens), handles)
             _connected.add(key)
             done += 1
     return done
+
+
+def forget() -> None:
+    """After peer.close(): no group is connected any more; the next connect exchanges anew."""
+    global _generation
+    with _lock:
+        _connected.clear()
+        _generation += 1
 
 
 def _library() -> ctypes.CDLL:

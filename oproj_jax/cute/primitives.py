@@ -160,16 +160,19 @@ def ld_poll4(addr):
     return asm("ld.volatile.global.v4.b32 {$0, $1, $2, $3}, [$4];", _U4, ((Int64, addr),))
 
 
-def ld_first4(addr, ready):
+def ld_first4(addr, ready, skip):
     """First-round mailbox load. `ready` != 0: the slot is complete before the launch (ready
     mode), so a non-coherent load through the read-only path is safe and issues faster than the
-    volatile one (LDG.CONSTANT vs LDG.STRONG.SYS); else the polling load above."""
+    volatile one (LDG.CONSTANT vs LDG.STRONG.SYS); else the polling load above. `skip` != 0 (a
+    refused call): no load at all, the four words are the sentinel."""
     return asm(
-        "{ .reg .pred p; setp.ne.s32 p, $5, 0;"
-        " @p ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$4];"
-        " @!p ld.volatile.global.v4.b32 {$0, $1, $2, $3}, [$4]; }",
+        "{ .reg .pred t, nc, vol; setp.ne.s32 t, $5, 0; setp.eq.and.s32 nc, $6, 0, t;"
+        " setp.eq.s32 t, $5, 0; setp.eq.and.s32 vol, $6, 0, t;"
+        " mov.b32 $0, 0x80000000; mov.b32 $1, 0x80000000; mov.b32 $2, 0x80000000; mov.b32 $3, 0x80000000;"
+        " @nc ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$4];"
+        " @vol ld.volatile.global.v4.b32 {$0, $1, $2, $3}, [$4]; }",
         _U4,
-        ((Int64, addr), (Int32, ready)),
+        ((Int64, addr), (Int32, ready), (Int32, skip)),
     )
 
 
@@ -199,12 +202,40 @@ def st4_relaxed_gpu(addr, words):
 
 
 def rearm(addr):
-    """Store the sentinel into one 16-byte fragment of a mailbox slot (marks it empty again)."""
+    """Store the sentinel into one 16-byte fragment of a mailbox slot (marks it empty again).
+    Relaxed at system scope: the slot's publisher, on another GPU, polls it with
+    ld.relaxed.sys, and a pair of accesses from different GPUs is only guaranteed to be
+    observed when both are at least relaxed at system scope (PTX memory model)."""
     asm(
-        "{ .reg .b32 s; mov.b32 s, 0x80000000; st.global.v4.b32 [$0], {s, s, s, s}; }",
+        "{ .reg .b32 s; mov.b32 s, 0x80000000; st.relaxed.sys.global.v4.b32 [$0], {s, s, s, s}; }",
         (),
         ((Int64, addr),),
     )
+
+
+def fail_word(control):
+    """The group's fail-stop word (u32 at control + 8, docs/spec.md "Mailbox protocol"): nonzero
+    once any call of the group gave up, or the group was closed. Relaxed, gpu scope (only this
+    GPU's kernels write it). 0 when `control` is 0 (no control block: nothing to read)."""
+    return asm(
+        "{ .reg .pred p; setp.ne.u64 p, $1, 0; mov.b32 $0, 0; @p ld.relaxed.gpu.global.b32 $0, [$1 + 8]; }",
+        (Int32,),
+        ((Int64, control),),
+    )
+
+
+def fail_group(control, code):
+    """ORs `code` into the group's fail-stop word (no-op when `control` is 0)."""
+    asm(
+        "{ .reg .pred p; setp.ne.u64 p, $0, 0; @p red.relaxed.gpu.global.or.b32 [$0 + 8], $1; }",
+        (),
+        ((Int64, control), (Int32, code)),
+    )
+
+
+def nctaid_y():
+    """The grid's y extent: the tokens of this launch."""
+    return asm("mov.u32 $0, %nctaid.y;", (Int32,))
 
 
 def store_status(addr, code):

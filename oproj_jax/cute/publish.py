@@ -10,21 +10,23 @@ previous step's fragment and re-armed it, and only then stores its data (st.rela
 Each round issues one load per destination still pending (all in flight together) and stores
 into every destination found empty, so a round costs one remote load latency, not R.
 
-One mailbox per device, no epochs, nothing the host counts: the mailbox's state alone says
-whether a slot may be written, which is what lets the handler put the call into a CUDA graph
+One mailbox per group and device, no epochs, nothing the host counts: the mailbox's state alone
+says whether a slot may be written, which is what lets the handler put the call into a CUDA graph
 (csrc/peer_ffi.cc has the safety, progress and deadlock-freedom arguments).
 
-Bounded wait: once `timeout_us` microseconds of %globaltimer have passed (wall time; 0 would
-wait forever and is refused by the Python side) with a destination still not re-armed, the
-thread gives up on it, does NOT store there, and the step reports
-STATUS_UNARMED. A launch reports exactly once: each CTA ORs its threads' outcome with one
-barrier reduction, thread 0 adds (1 | failed << 32) to a 64-bit counter in the handler's own
-memory (`control`, zero between launches), and the CTA whose add completes the count (the
-last one) stores the step's publish status (0 or STATUS_UNARMED) into flags[2] and zeroes the
-counter for the next launch. No racing stores into XLA's buffer: the flags buffer is XLA's,
-fresh (garbage) each call, and only that one CTA writes flags[2]; thread 0 of the grid zeroes
-flags[0], the consumer's status word, which only the consumer (launched after this grid
-completes) may set.
+Bounded wait, fail-stop: every thread first reads the group's fail-stop word (control + 8,
+docs/spec.md "Mailbox protocol"); nonzero refuses the launch (nothing is published; status
+STATUS_REFUSED | the word). Once `timeout_us` microseconds of %globaltimer (wall time; 0 would
+wait forever and is refused by the Python side) have passed with a destination still not
+re-armed, or the fail-stop word was set meanwhile, the thread gives up on it, does NOT store
+there, and ORs STATUS_UNARMED into the fail-stop word. A launch reports exactly once: each CTA
+reduces its threads' outcomes with barrier reductions, thread 0 ORs the CTA's code into the
+accumulator at control + 12 and counts the CTA in the 64-bit counter at control (acq_rel), and
+the CTA whose count completes the launch (the last one) stores the accumulated status into
+flags[2] and zeroes both words for the next launch. No racing stores into XLA's buffer: the
+flags buffer is XLA's, fresh (garbage) each call, and only that one CTA writes flags[2]; thread
+0 of the grid zeroes flags[0], the consumer's status word, which only the consumer (launched
+after this grid completes) may set.
 
 Ordering (why `griddepcontrol.wait` comes before every load and store):
   * the partial comes from an XLA kernel with ordinary stores, visible only after the wait;
@@ -62,6 +64,9 @@ PUBLISH_PARAMS = [".u64"] * (1 + MAX_RANKS) + [".u32", ".u64", ".u32", ".u32", "
 # flags[2] after a launch: a destination slot was never re-armed within timeout_us microseconds. A bit
 # of its own (the consumer stores 1 into flags[0]), so peer.py can OR the two words.
 STATUS_UNARMED = 4
+# flags[2]: the group had failed before the launch (its fail-stop word at control + 8 was set):
+# nothing was published (kernel.STATUS_REFUSED, the consumer's bit for the same state)
+STATUS_REFUSED = 8
 _U4 = (Uint32, Uint32, Uint32, Uint32)
 
 
@@ -104,21 +109,23 @@ def _cta_any(flag):
                  (Int32,), ((Int32, flag),))
 
 
-def _report(control, flags, failed):
-    """Thread 0 of each CTA: count this CTA (and whether it failed) in the 64-bit counter at
-    `control`; the CTA that completes the count stores the launch's publish status into
-    flags[2] and zeroes the counter. The outcome travels in the atomic's value, so relaxed
-    atomics suffice."""
+def _report(control, flags, code):
+    """Thread 0 of each CTA: OR this CTA's outcome `code` (0, STATUS_UNARMED, STATUS_REFUSED)
+    into the word at control + 12, then count the CTA in the 64-bit counter at `control`
+    (acq_rel: each CTA's OR is ordered before its count, the last count sees every OR); the
+    CTA that completes the count stores the launch's publish status into flags[2] and zeroes
+    both words for the next launch."""
     P.asm(
-        "{ .reg .pred last, bad; .reg .b64 inc, old, total; .reg .b32 lo, hi, n, code;"
-        " cvt.u64.u32 inc, $2; shl.b64 inc, inc, 32; or.b64 inc, inc, 1;"
-        " atom.relaxed.gpu.global.add.u64 old, [$0], inc;"
-        " add.u64 total, old, inc; mov.b64 {lo, hi}, total;"
-        " mov.u32 n, %nctaid.x; setp.eq.u32 last, lo, n; setp.ne.u32 bad, hi, 0;"
-        " selp.b32 code, " + str(STATUS_UNARMED) + ", 0, bad;"
-        " @last st.relaxed.gpu.global.b32 [$1 + 8], code;"
+        "{ .reg .pred last, bad; .reg .b64 old; .reg .b32 lo, hi, n, all;"
+        " setp.ne.u32 bad, $2, 0; @bad red.relaxed.gpu.global.or.b32 [$0 + 12], $2;"
+        " atom.acq_rel.gpu.global.add.u64 old, [$0], 1;"
+        " mov.b64 {lo, hi}, old; add.u32 lo, lo, 1;"
+        " mov.u32 n, %nctaid.x; setp.eq.u32 last, lo, n;"
+        " @last ld.relaxed.gpu.global.b32 all, [$0 + 12];"
+        " @last st.relaxed.gpu.global.b32 [$1 + 8], all;"
+        " @last st.relaxed.gpu.global.b32 [$0 + 12], 0;"
         " @last st.relaxed.gpu.global.u64 [$0], 0; }",
-        (), ((Int64, control), (Int64, flags), (Int32, failed)))
+        (), ((Int64, control), (Int64, flags), (Int32, code)))
 
 
 def compile_args() -> list:
@@ -143,8 +150,9 @@ class Publish:
         P.griddep_wait()  # before any load or store: see the module docstring
         if i == 0:
             P.store_status(flags, Int32(0))  # the consumer's status word
-        failed = Int32(0)
-        if i < fragments:
+        refused = P.fail_word(control)  # nonzero: the group failed before (its bits say why): publish nothing
+        unarmed = Int32(0)
+        if (i < fragments) & (refused == 0):
             offset = Int64(i) * 16
             words = [P.without_negative_zero(w) for w in _ld_nc4(src + offset)]
             pending = _pending_mask(n_dest)
@@ -154,13 +162,18 @@ class Publish:
                 left = pending
                 for r in cutlass.range_constexpr(MAX_RANKS):
                     left = _store_if_empty(left, 1 << r, dests[r] + offset, seen[r], words)
-                if P.timed_out(start, timeout_us) & (left != 0):
-                    failed = Int32(1)  # give up: nothing is stored into a slot not re-armed
+                if (left != 0) & (P.timed_out(start, timeout_us) | (P.fail_word(control) != 0)):
+                    unarmed = Int32(1)  # give up: nothing is stored into a slot not re-armed
+                    P.fail_group(control, Int32(STATUS_UNARMED))
                     left = Int32(0)
                 pending = left
-        failed = _cta_any(failed)
+        code = Int32(0)
+        if _cta_any(unarmed) != 0:
+            code = Int32(STATUS_UNARMED)
+        if _cta_any(refused) != 0:
+            code = code | Int32(STATUS_REFUSED) | refused
         if thread == 0:
-            _report(control, flags, failed)
+            _report(control, flags, code)
 
     @cute.jit
     def launch(self, src: Int64, d0: Int64, d1: Int64, d2: Int64, d3: Int64, d4: Int64, d5: Int64,

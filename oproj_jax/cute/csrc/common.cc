@@ -166,7 +166,19 @@ XLA_FFI_DEFINE_HANDLER(BootstrapTyped, DecodeTable,
                            .Attr<ffi::Span<const int64_t>>("handlers")  // 5 stage handler addresses each, 0: none
                            .Attr<ffi::Span<const int64_t>>("traits"));  // XLA_FFI_Handler_Traits each
 
+std::vector<oproj::StateType>& StateTypes() {
+  static std::vector<oproj::StateType> types;
+  return types;
+}
+
 void RegisterAll(const XLA_FFI_Api* api) {
+  for (auto& type : StateTypes())
+    if (XLA_FFI_Error* error = ffi::Ffi::RegisterTypeId(api, type.name, type.id, type.info)) {
+      registration_error =
+          std::string("registering the state type ") + type.name + ": " + ffi::internal::GetErrorMessage(api, error);
+      ffi::internal::DestroyError(api, error);
+      return;
+    }
   for (const auto& target : decoded) {
     XLA_FFI_Handler_Register_Args args;
     args.struct_size = XLA_FFI_Handler_Register_Args_STRUCT_SIZE;
@@ -192,6 +204,11 @@ XLA_FFI_Error* MakeError(const XLA_FFI_Api* api, const std::string& message) {
   return api->XLA_FFI_Error_Create(&args);
 }
 }  // namespace
+
+bool oproj::AddStateType(StateType type) {
+  StateTypes().push_back(type);
+  return true;
+}
 
 // The bootstrap call: registers the decoded table with the XLA runtime that calls it, once per
 // process (a second registration of a name would fail); every call reports the outcome.

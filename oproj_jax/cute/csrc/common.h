@@ -46,6 +46,10 @@ struct Driver {
   decltype(&::cuStreamCreate) StreamCreate = nullptr;
   decltype(&::cuStreamSynchronize) StreamSynchronize = nullptr;
   decltype(&::cuStreamDestroy) StreamDestroy = nullptr;
+  decltype(&::cuMemcpyHtoDAsync) MemcpyHtoDAsync = nullptr;
+  decltype(&::cuMemcpyDtoHAsync) MemcpyDtoHAsync = nullptr;
+  decltype(&::cuCtxSynchronize) CtxSynchronize = nullptr;
+  decltype(&::cuDevicePrimaryCtxRelease) DevicePrimaryCtxRelease = nullptr;
   // mode="peer" across processes: a rank's mailbox exported and mapped by legacy CUDA IPC
   decltype(&::cuIpcGetMemHandle) IpcGetMemHandle = nullptr;
   decltype(&::cuIpcOpenMemHandle) IpcOpenMemHandle = nullptr;
@@ -83,6 +87,10 @@ struct Driver {
     resolve(StreamCreate, "cuStreamCreate");
     resolve(StreamSynchronize, "cuStreamSynchronize");
     resolve(StreamDestroy, "cuStreamDestroy_v2");
+    resolve(MemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2");
+    resolve(MemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2");
+    resolve(CtxSynchronize, "cuCtxSynchronize");
+    resolve(DevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2");
     resolve(IpcGetMemHandle, "cuIpcGetMemHandle");
     resolve(IpcOpenMemHandle, "cuIpcOpenMemHandle_v2");
     resolve(IpcCloseMemHandle, "cuIpcCloseMemHandle");
@@ -159,5 +167,15 @@ struct RecordExtension : ffi::internal::RecordExtensionBase<RecordContext> {};
 // OprojRegisterTargets (common.cc), on a CUDA device; its attributes carry the library's target
 // table (names, the five stage handlers of each as addresses, traits: oproj_jax/cute/ffi.py),
 // which it hands to the XLA runtime's XLA_FFI_Handler_Register.
+//
+// A handler whose stages keep per-call-site state (ffi::State<T>) names its type here, from a
+// static initializer (dlopen time): the bootstrap registers every such type with the XLA
+// runtime before the targets, which fills in T::id.
+struct StateType {
+  const char* name;
+  XLA_FFI_TypeId* id;
+  XLA_FFI_TypeInfo info;
+};
+bool AddStateType(StateType type);
 
 }  // namespace oproj

@@ -115,12 +115,13 @@ struct Plan {
   Copy copies[5];
   int n_copies = 0;
   LaunchSpec spec{};
-  // The kernel parameters in cute/ABI.md order: 0..13 for every target, 14..16 for twoshot.
+  // The kernel parameters in cute/ABI.md order: 0..13 for every target, then 14 (control, none
+  // here: ptr[10] stays null) for oneshot or 14..16 for twoshot.
   // Launches take the address of each value, so they live here.
   void* ptr[12] = {};
   float eps = 0, out_eps = 0;
   int32_t tokens = 0, timeout_us = 0, me = 0;
-  int n_params = 14;
+  int n_params = 15;
 
   Plan() = default;
   Plan(const Plan&) = delete;  // params() points into this object
@@ -172,8 +173,8 @@ struct Plan {
     for (const void* value : {static_cast<const void*>(&eps), static_cast<const void*>(&out_eps),
                               static_cast<const void*>(&tokens), static_cast<const void*>(&timeout_us)})
       out.push_back(ffi::HostValue{value, 4});
+    out.push_back(ffi::DevicePointer{ptr[10]});
     if (n_params == 17) {
-      out.push_back(ffi::DevicePointer{ptr[10]});
       out.push_back(ffi::DevicePointer{ptr[11]});
       out.push_back(ffi::HostValue{&me, 4});
     }

@@ -3,14 +3,15 @@
 //
 // A group runs in one process driving all its GPUs (JAX's usual single-host layout), or with one
 // rank per process ("groups across processes" below: the same, except that each process
-// allocates only its own rank's mailbox and maps the others' by CUDA IPC). For each group
-// (its devices' CUDA ordinals in rank order), T and R, the first call that needs it (execute,
-// record or initialize, under `groups_mutex`; never under stream capture) allocates, on every
-// device of the group, ONE mailbox [R, T, H] bf16 plus a 256-byte control block (cuMemAlloc in
-// the device's primary context, the one XLA uses), enables peer access between every pair,
-// arms the mailbox with the sentinel 0x80000000 and zeroes the control block. Nothing is ever
-// freed: a group's memory lives as long as the process (R * T * H * 2 bytes per device, plus
-// 256: 0.5 MiB at R=2, T=16; 117 MiB at R=16, T=512).
+// allocates only its own rank's mailbox and maps the others' by CUDA IPC). Each group (its
+// devices' CUDA ordinals in rank order) has ONE mailbox per device, [R, max_tokens, H] bf16 plus
+// its meeting words, allocated when the group opens (first use, or the cross-process connect)
+// in the device's primary context, peer access enabled between every pair, armed with the
+// sentinel 0x80000000; every T <= max_tokens uses rows 0..T-1 of each slot, so a fragment's
+// address never depends on T. Per device and group, 64 bytes of control words come from a pool
+// that is never freed (see "Fail-stop"). OprojPeerClose frees the mailboxes and unmaps the
+// other processes' (peer.close()); memory: R * max_tokens * H * 2 + 256 bytes per group and
+// device (117 MiB at R=16, max_tokens=512), plus the 64 KiB pool per device.
 //
 // One call on rank `me`:
 //   1. publish kernel (cute/publish.py): for each 16-byte fragment of the partial [T, H]
@@ -48,9 +49,10 @@
 //   (d) Words are checked one by one (a v4 access need not be single-copy atomic across its
 //       16 bytes): the consumer waits until no word is the sentinel, the publisher until all
 //       four are. Each word is written once per step by each side.
-// The re-arm is kernel.py's plain st.global on the owning GPU; the publisher's load and store
-// reach that GPU's L2, which orders the accesses to one address; this is the same
-// per-address ordering the Lamport protocol of every mode relies on.
+// The re-arm is kernel.py's st.relaxed.sys on the owning GPU and the publisher's poll an
+// ld.relaxed.sys: both at least relaxed at system scope, so by the PTX memory model the
+// publisher observes the re-arm (and the coherence order of the one address orders the two
+// sides' accesses); the publisher's store is st.relaxed.sys too.
 //
 // ---- Progress and deadlock freedom ----------------------------------------------------------
 // Per device, the stream (or graph) order is publish(0), consume(0), publish(1), consume(1), ...
@@ -64,20 +66,39 @@
 // launched consumer never keeps its own publish off the GPU, and the publish's
 // griddepcontrol.wait (before its first load or store) keeps publish(k+1) from overlapping
 // this rank's consume(k) and publish(k).
-// This needs every rank's peer calls for one (group, T, R) to run in the same order on every
+// This needs every rank's peer calls for one group to run in the same order on every
 // device (SPMD) and in program order on each: XLA's thunk sequence and its default command
 // buffer scheduling (LHS: one stream's commands serialized) do that. Under
 // --xla_gpu_command_buffer_scheduling_mode=CONCURRENT two peer calls with no data dependence
 // could overlap in a graph: not supported.
 //
-// ---- Bounded waits, errors, reset -----------------------------------------------------------
-// Every wait gives up after `timeout_us` microseconds of wall time: a consumer whose slot
-// stays empty stores status 1 into flags[0] and still re-arms; a publish thread whose
-// destination is never re-armed stores nothing there and makes flags[2] = 4. Python ORs the
-// two words (PeerResult.status) and raises on nonzero. After such an error, slots may hold
-// data of a step nobody will consume (a late publish): call OprojPeerReset (peer.reset()),
-// with no peer call in flight, which re-arms every mailbox and zeroes every control block.
-// `skip_rank` (tests only) makes that rank launch the publish kernel with no destination.
+// ---- Fail-stop, one deadline per call, reset ------------------------------------------------
+// Each rank's control words hold a fail-stop word (u32 at +8). Every wait gives up after
+// `timeout_us` microseconds of wall time, or as soon as the fail-stop word is set (another wave
+// or CTA of the same call gave up first), so a call reports a missing rank within about one
+// timeout whatever T is. A consumer that gives up stores status 1 into flags[0], ORs 1 into the
+// fail-stop word and reads NaN for every fragment it did not receive (it re-arms only those it
+// read); a publish thread that gives up stores nothing there and ORs 4 into both flags[2] and the
+// fail-stop word. Both kernels read the fail-stop word first: a nonzero word makes the call
+// refuse (status 8 | the word; no mailbox access at all; prefix, output and xmoe NaN). So after
+// the first failure no step of that rank can consume a late publish as its own, and the ranks
+// it waits for fail in turn (each within one timeout): every later step of the group is refused
+// on every rank until OprojPeerReset (peer.reset(), with no call in flight), which re-arms every
+// slot and zeroes the control words. `skip_rank` (tests only) makes that rank launch the
+// publish kernel with no destination.
+//
+// ---- First calls meet -----------------------------------------------------------------------
+// In a group across processes each process compiles on its own clock. The first execution of
+// each call site (ffi::State made by the instantiate stage; in a command buffer, each new
+// recording) meets the other ranks on the host before launching anything: it stores its meeting
+// count into its word of every rank's meeting words and waits, at most connect_timeout_s, until
+// its own words all reach it. Compile skew is absorbed there, never by timeout_us.
+//
+// ---- Close ----------------------------------------------------------------------------------
+// OprojPeerClose sets kClosed in each fail-stop word it owns, keeps those control words (a
+// recorded graph or a compiled executable still points at them) and frees the rest. A closed
+// one-process group reopens on its next call; a closed group across processes routes its calls
+// to the retired words (status 8 | 16, NaN, no mailbox access) until a traced step connects it.
 //
 // ---- Command buffers ------------------------------------------------------------------------
 // The target is command-buffer compatible and has a record stage (OprojPeerRecord): inside an
@@ -91,6 +112,7 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -98,6 +120,7 @@
 #include <mutex>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -114,37 +137,65 @@ constexpr int64_t kMaxRanks = 16;  // publish kernel destinations (cute/publish.
 constexpr int64_t kHidden = int64_t(kCluster) * 1024;
 constexpr unsigned kSentinel = 0x80000000u;
 constexpr unsigned kPublishThreads = 128;
-constexpr size_t kControlBytes = 256;  // per device: the publish kernel's CTA counter (u64 at 0)
 constexpr int kPublishParams = 1 + kMaxRanks + 5;  // cute/publish.py PUBLISH_PARAMS
 constexpr const char* kTarget = "oproj_cute_peer";
 
 using Bf16_1 = ffi::Buffer<ffi::BF16, 1>;
 using Bf16_2 = ffi::Buffer<ffi::BF16, 2>;
 using Bf16_3 = ffi::Buffer<ffi::BF16, 3>;
-// [3] i32: consumer status (0 = ok, 1 = a slot stayed empty), hints counter (scratch), publish
-// status (0 = ok, 4 = a destination was never re-armed)
+// [3] i32: consumer status (0 = ok, else peer.py's bits 1, 8), hints counter (scratch), publish
+// status (0 = ok, else bits 4, 8)
 using Flags = ffi::Buffer<ffi::S32, 1>;
 
 ffi::Error Invalid(const std::string& what) { return ffi::Error::InvalidArgument(std::string(kTarget) + ": " + what); }
 
-// ---- the group's mailboxes --------------------------------------------------------------------
+// One call site's state (the instantiate stage makes it once per executable): whether its first
+// execution has met the other processes (Meet).
+struct Site {
+  static ffi::TypeId id;
+  bool met = false;
+};
+ffi::TypeId Site::id = {};
+const bool site_registered = AddStateType({"oproj_peer_site", &Site::id, ffi::MakeTypeInfo<Site>()});
+
+// ---- the groups' memory ------------------------------------------------------------------------
+// Layout of one rank's mailbox allocation: R slots of max_tokens rows ([R, max_tokens, H] bf16;
+// a call with T tokens uses rows 0..T-1 of every slot, so each fragment's address is the same
+// for every T), then the meeting words (R u64, one per rank: how many first-call meetings that
+// rank has entered). The control words of a rank live apart, in a per-device pool that is never
+// freed (kControlBytes each: u64 CTA counter of the publish kernel at 0, u32 fail-stop word at 8,
+// u32 publish status accumulator at 12), so that an executable recorded before close() still
+// finds them: the kernels read the fail-stop word (kClosed) before anything else and refuse.
+constexpr size_t kMeetBytes = 256;         // R <= 16 u64 meeting words, padded
+constexpr size_t kControlBytes = 64;       // one rank's control words
+constexpr size_t kControlPoolBytes = 1 << 16;  // per device: 1024 groups opened over the process's life
+constexpr unsigned kClosed = 16;           // the fail-stop word of a closed group (peer.STATUS_CLOSED)
+
 struct Key {
-  std::vector<int64_t> ordinals;  // CUDA ordinals of the group's devices, rank order
-  int64_t tokens, ranks;
-  bool operator<(const Key& o) const {
-    return std::tie(ordinals, tokens, ranks) < std::tie(o.ordinals, o.tokens, o.ranks);
+  std::vector<int64_t> ordinals;  // the group's devices (CUDA ordinals, -(1 + id) elsewhere), rank order
+  bool operator<(const Key& o) const { return ordinals < o.ordinals; }
+  bool cross() const {
+    return std::any_of(ordinals.begin(), ordinals.end(), [](int64_t o) { return o < 0; });
   }
 };
 
-struct Mailboxes {
+struct Group {
+  int64_t capacity = 0;             // max_tokens: rows per slot
+  size_t slot_bytes = 0;            // capacity * H * 2
+  size_t mailbox_bytes = 0;         // R * slot_bytes; the meeting words follow
   std::vector<CUcontext> contexts;  // per rank: the primary context its base is mapped in
-  std::vector<CUdeviceptr> base;    // per rank: the mailbox [R, T, H] bf16, then the control block
-  std::vector<bool> owned;          // per rank: allocated here (armed and reset here), else mapped by IPC
-  size_t mailbox_bytes = 0;         // R * T * H * 2 (a multiple of 256: the control block is aligned)
+  std::vector<CUdeviceptr> base;    // per rank: its mailbox allocation (here, or mapped by IPC)
+  std::vector<bool> owned;          // per rank: allocated here (armed, reset, freed here)
+  std::vector<CUdeviceptr> control; // per rank: its control words (owned ranks only)
+  int64_t meetings = 0;             // first-call meetings entered (groups across processes)
+  CUipcMemHandle handle{};          // across processes: this rank's export
 };
 
 std::mutex groups_mutex;
-std::map<Key, Mailboxes> groups;  // never erased (see the file comment)
+std::map<Key, Group> groups;                            // open groups (peer.close() frees them)
+std::map<Key, Group> pending;  // across processes: this rank exported, the others not mapped yet
+std::map<Key, std::vector<CUdeviceptr>> retired;        // closed groups' control words (kClosed)
+std::map<int64_t, std::pair<CUdeviceptr, size_t>> pools;  // per CUDA ordinal: control pool, used
 
 // The calling thread's current context is `ctx` while this lives.
 class ScopedContext {
@@ -160,115 +211,239 @@ class ScopedContext {
   CUresult result_;
 };
 
-// Stores the sentinel into every rank's mailbox and zeroes its control block. On a private
-// non-blocking stream per device, waited for here: XLA's streams may hold kernels of other
-// groups that spin until a peer (whose host thread may be waiting for our mutex) publishes or
-// re-arms, so a device-wide synchronization could stall until their spin limit.
-ffi::Error Arm(Mailboxes& m) {
-  for (size_t r = 0; r < m.base.size(); ++r) {
-    if (!m.owned[r]) continue;  // another process's mailbox: its owner arms it
-    ScopedContext scope(m.contexts[r]);
-    if (scope.result()) return CudaError(scope.result(), kTarget, "cuCtxPushCurrent");
-    CUstream stream = nullptr;
-    if (CUresult e = driver().StreamCreate(&stream, CU_STREAM_NON_BLOCKING)) return CudaError(e, kTarget, "cuStreamCreate");
-    CUresult e = driver().MemsetD32Async(m.base[r], kSentinel, m.mailbox_bytes / 4, stream);
-    if (!e) e = driver().MemsetD32Async(m.base[r] + m.mailbox_bytes, 0, kControlBytes / 4, stream);
-    CUresult s = e ? e : driver().StreamSynchronize(stream);
-    driver().StreamDestroy(stream);
-    if (e) return CudaError(e, kTarget, "cuMemsetD32Async (arming the mailboxes)");
-    if (s) return CudaError(s, kTarget, "cuStreamSynchronize (arming the mailboxes)");
+// A private non-blocking stream of the current context, destroyed with this object. Host work of
+// the handler (arming, meetings, reading a word) runs on it and waits for it alone: XLA's streams
+// may hold kernels of other groups that spin until a peer publishes, so a device-wide
+// synchronization could stall until their deadline.
+class PrivateStream {
+ public:
+  PrivateStream() : result_(driver().StreamCreate(&stream_, CU_STREAM_NON_BLOCKING)) {}
+  ~PrivateStream() {
+    if (result_ == CUDA_SUCCESS) driver().StreamDestroy(stream_);
+  }
+  CUresult result() const { return result_; }
+  CUstream get() const { return stream_; }
+  CUresult sync() const { return driver().StreamSynchronize(stream_); }
+
+ private:
+  CUstream stream_ = nullptr;
+  CUresult result_;
+};
+
+// Fills `words` u32 at `ptr` with `value` in context `ctx` and waits for it.
+ffi::Error Fill(CUcontext ctx, CUdeviceptr ptr, unsigned value, size_t words, const char* what) {
+  ScopedContext scope(ctx);
+  if (scope.result()) return CudaError(scope.result(), kTarget, "cuCtxPushCurrent");
+  PrivateStream stream;
+  if (stream.result()) return CudaError(stream.result(), kTarget, "cuStreamCreate");
+  if (CUresult e = driver().MemsetD32Async(ptr, value, words, stream.get()))
+    return CudaError(e, kTarget, std::string("cuMemsetD32Async (") + what + ")");
+  if (CUresult e = stream.sync()) return CudaError(e, kTarget, std::string("cuStreamSynchronize (") + what + ")");
+  return ffi::Error::Success();
+}
+
+// Arms the slots of every rank this process owns (the sentinel) and zeroes its control words.
+ffi::Error Arm(Group& g) {
+  for (size_t r = 0; r < g.base.size(); ++r) {
+    if (!g.owned[r]) continue;  // another process's mailbox: its owner arms it
+    if (auto e = Fill(g.contexts[r], g.base[r], kSentinel, g.mailbox_bytes / 4, "arming the mailbox"); e.failure())
+      return e;
+    if (auto e = Fill(g.contexts[r], g.control[r], 0, kControlBytes / 4, "zeroing the control words"); e.failure())
+      return e;
   }
   return ffi::Error::Success();
 }
 
-// Allocates and arms the group's mailboxes on every device of the group; frees what it
-// allocated if any step fails (the group then stays unregistered and the next call retries).
-ffi::Error Allocate(const Key& key, Mailboxes& m) {
+// The next free control words of device `ordinal` (context `ctx`), from its pool; zeroed by Arm.
+ffi::ErrorOr<CUdeviceptr> TakeControl(int64_t ordinal, CUcontext ctx) {
+  auto& [pool, used] = pools[ordinal];
+  if (!pool) {
+    ScopedContext scope(ctx);
+    if (scope.result()) return CudaError(scope.result(), kTarget, "cuCtxPushCurrent");
+    if (CUresult e = driver().MemAlloc(&pool, kControlPoolBytes))
+      return CudaError(e, kTarget, "cuMemAlloc (the control words' pool)");
+  }
+  if (used + kControlBytes > kControlPoolBytes)
+    return Invalid("mode='peer': " + std::to_string(kControlPoolBytes / kControlBytes) +
+                   " groups were opened on CUDA device " + std::to_string(ordinal) +
+                   " over this process's life; their control words are never reused (an executable recorded before "
+                   "peer.close() may still read them)");
+  CUdeviceptr out = pool + used;
+  used += kControlBytes;
+  return out;
+}
+
+// Frees what the group holds (mapped mailboxes closed, owned ones freed, contexts released).
+void Release(Group& g) {
+  for (size_t r = 0; r < g.base.size(); ++r) {
+    if (!g.base[r]) continue;
+    ScopedContext scope(g.contexts[r]);
+    if (g.owned[r])
+      driver().MemFree(g.base[r]);
+    else
+      driver().IpcCloseMemHandle(g.base[r]);
+    g.base[r] = 0;
+  }
+  for (size_t r = 0; r < g.contexts.size(); ++r) {
+    if (!g.owned[r] || !g.contexts[r]) continue;
+    CUdevice device = 0;
+    ScopedContext scope(g.contexts[r]);
+    if (!scope.result() && !driver().CtxGetDevice(&device)) driver().DevicePrimaryCtxRelease(device);
+  }
+}
+
+// Allocates, for the ranks of `key` that live in this process (all of them, or one across
+// processes), the mailbox allocation and control words, enables peer access between the
+// devices of a one-process group, arms the slots and zeroes the meeting words. On failure
+// everything it allocated is released.
+ffi::Error Open(const Key& key, int64_t capacity, Group& g) {
   const size_t R = key.ordinals.size();
-  std::vector<CUdevice> devices(R);
-  m.contexts.assign(R, nullptr);
-  m.mailbox_bytes = size_t(key.ranks) * size_t(key.tokens) * size_t(kHidden) * 2;
-  const size_t bytes = m.mailbox_bytes + kControlBytes;
+  g.capacity = capacity;
+  g.slot_bytes = size_t(capacity) * size_t(kHidden) * 2;
+  g.mailbox_bytes = R * g.slot_bytes;
+  g.contexts.assign(R, nullptr);
+  g.base.assign(R, 0);
+  g.owned.assign(R, false);
+  g.control.assign(R, 0);
+  std::vector<CUdevice> devices(R, 0);
   for (size_t r = 0; r < R; ++r) {
+    if (key.ordinals[r] < 0) continue;
     if (CUresult e = driver().DeviceGet(&devices[r], int(key.ordinals[r])))
       return CudaError(e, kTarget, "cuDeviceGet(" + std::to_string(key.ordinals[r]) + ")");
-    if (CUresult e = driver().DevicePrimaryCtxRetain(&m.contexts[r], devices[r]))
+    if (CUresult e = driver().DevicePrimaryCtxRetain(&g.contexts[r], devices[r]))
       return CudaError(e, kTarget, "cuDevicePrimaryCtxRetain");
+    g.owned[r] = true;
   }
+  auto fail = [&g](ffi::Error error) {
+    Release(g);
+    return error;
+  };
   for (size_t a = 0; a < R; ++a)
     for (size_t b = 0; b < R; ++b) {
+      if (a == b || !g.owned[a] || !g.owned[b]) continue;
       int can = 1;
-      if (a == b) continue;
       if (CUresult e = driver().DeviceCanAccessPeer(&can, devices[a], devices[b]))
-        return CudaError(e, kTarget, "cuDeviceCanAccessPeer");
+        return fail(CudaError(e, kTarget, "cuDeviceCanAccessPeer"));
       if (!can)
-        return Invalid("mode='peer': GPU " + std::to_string(key.ordinals[a]) + " cannot write to GPU " +
-                       std::to_string(key.ordinals[b]) + "'s memory (no peer access between them)");
+        return fail(Invalid("mode='peer': GPU " + std::to_string(key.ordinals[a]) + " cannot write to GPU " +
+                            std::to_string(key.ordinals[b]) + "'s memory (no peer access between them)"));
+      ScopedContext scope(g.contexts[a]);
+      if (scope.result()) return fail(CudaError(scope.result(), kTarget, "cuCtxPushCurrent"));
+      CUresult e = driver().CtxEnablePeerAccess(g.contexts[b], 0);
+      if (e && e != CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED)  // XLA usually enabled it already
+        return fail(CudaError(e, kTarget, "cuCtxEnablePeerAccess"));
     }
-  auto release = [&m] {
-    for (size_t r = 0; r < m.base.size(); ++r) {
-      ScopedContext scope(m.contexts[r]);
-      driver().MemFree(m.base[r]);
+  for (size_t r = 0; r < R; ++r) {
+    if (!g.owned[r]) continue;
+    {
+      ScopedContext scope(g.contexts[r]);
+      if (scope.result()) return fail(CudaError(scope.result(), kTarget, "cuCtxPushCurrent"));
+      if (CUresult e = driver().MemAlloc(&g.base[r], g.mailbox_bytes + kMeetBytes))
+        return fail(CudaError(e, kTarget, "cuMemAlloc (" + std::to_string(g.mailbox_bytes + kMeetBytes) +
+                                               " bytes of mailbox: R * max_tokens * H * 2 plus the meeting words)"));
     }
-    m.base.clear();
-  };
-  for (size_t a = 0; a < R; ++a) {
-    ScopedContext scope(m.contexts[a]);
-    if (scope.result()) {
-      release();
-      return CudaError(scope.result(), kTarget, "cuCtxPushCurrent");
-    }
-    for (size_t b = 0; b < R; ++b) {  // a's kernels read and write b's memory (the publish kernel)
-      if (a == b) continue;
-      CUresult e = driver().CtxEnablePeerAccess(m.contexts[b], 0);
-      if (e && e != CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED) {  // XLA usually enabled it already
-        release();
-        return CudaError(e, kTarget, "cuCtxEnablePeerAccess");
-      }
-    }
-    CUdeviceptr ptr = 0;
-    if (CUresult e = driver().MemAlloc(&ptr, bytes)) {
-      release();
-      return CudaError(e, kTarget, "cuMemAlloc (" + std::to_string(bytes) + " bytes of mailbox)");
-    }
-    m.base.push_back(ptr);
-    m.owned.push_back(true);
+    auto control = TakeControl(key.ordinals[r], g.contexts[r]);
+    if (control.has_error()) return fail(control.error());
+    g.control[r] = *control;
+    if (auto e = Fill(g.contexts[r], g.base[r] + g.mailbox_bytes, 0, kMeetBytes / 4, "zeroing the meeting words");
+        e.failure())
+      return fail(e);
   }
-  if (auto error = Arm(m); error.failure()) {
-    release();
-    return error;
-  }
+  if (auto e = Arm(g); e.failure()) return fail(e);
   return ffi::Error::Success();
 }
 
-// Where rank `me` of the group publishes and polls: the same addresses on every call (what
-// lets a recorded graph keep them).
+// Where rank `me` of a group publishes and polls: the same addresses on every call (what lets a
+// recorded graph keep them).
 struct Route {
   CUdeviceptr dest[kMaxRanks] = {};  // slot `me` of every rank's mailbox
   CUdeviceptr mailbox = 0;           // this rank's own mailbox
-  CUdeviceptr control = 0;           // this rank's control block
+  CUdeviceptr control = 0;           // this rank's control words
+  // a group across processes, open: what a first-call meeting needs
+  bool meets = false;
+  std::vector<CUdeviceptr> meet_words;  // per rank: its meeting words (the mapping in this context)
+  CUcontext context = nullptr;
 };
 
-// The group's memory, allocated on first use.
-ffi::ErrorOr<Route> GetRoute(const Key& key, size_t me) {
+// The route of rank `me` of the group `key`, opening a one-process group on first use. A closed
+// group across processes (peer.close(); reconnected only when a step is traced again) routes to
+// its retired control words: both kernels refuse (status kClosed) and touch no mailbox.
+ffi::ErrorOr<Route> GetRoute(const Key& key, size_t me, int64_t capacity) {
   std::lock_guard<std::mutex> lock(groups_mutex);
   auto it = groups.find(key);
+  Route route;
   if (it == groups.end()) {
-    if (std::any_of(key.ordinals.begin(), key.ordinals.end(), [](int64_t o) { return o < 0; }))
+    if (key.cross()) {
+      auto old = retired.find(key);
+      if (old != retired.end() && old->second[me]) {
+        route.control = old->second[me];
+        return route;
+      }
       return Invalid(
           "mode='peer': this group spans processes and its mailboxes are not connected in this process "
-          "(oproj_jax.cute.peer_ipc.connect, which tp_consumer runs when it traces a step, exchanges them)");
-    Mailboxes fresh;
-    if (auto error = Allocate(key, fresh); error.failure()) return error;
+          "(oproj_jax.cute.peer_ipc.connect, which tp_consumer runs when it traces a step, maps them)");
+    }
+    Group fresh;
+    if (auto error = Open(key, capacity, fresh); error.failure()) return error;
     it = groups.emplace(key, std::move(fresh)).first;
   }
-  const Mailboxes& m = it->second;
-  const size_t slot = me * (m.mailbox_bytes / size_t(key.ranks));
-  Route route;
-  for (size_t r = 0; r < m.base.size(); ++r) route.dest[r] = m.base[r] + slot;
-  route.mailbox = m.base[me];
-  route.control = m.base[me] + m.mailbox_bytes;
+  const Group& g = it->second;
+  if (g.capacity != capacity)
+    return Invalid("max_tokens: this group's mailboxes are open with max_tokens = " + std::to_string(g.capacity) +
+                   ", this call has " + std::to_string(capacity) +
+                   "; every call of a group uses one max_tokens (or call oproj_jax.cute.peer.close() first)");
+  for (size_t r = 0; r < g.base.size(); ++r) route.dest[r] = g.base[r] + me * g.slot_bytes;
+  route.mailbox = g.base[me];
+  route.control = g.control[me];
+  if (key.cross()) {
+    route.meets = true;
+    route.context = g.contexts[me];
+    for (size_t r = 0; r < g.base.size(); ++r) route.meet_words.push_back(g.base[r] + g.mailbox_bytes);
+  }
   return route;
+}
+
+// The first-call meeting of a group across processes: this rank enters meeting n (its n-th
+// first execution of a call site of the group; every rank runs the same call sites in the same
+// order) by storing n into its word of every rank's meeting words, then waits until every word
+// of its own is >= n, at most `timeout_s` seconds. Host work only, before this call's kernels:
+// compile skew between processes is absorbed here, never by the kernels' timeout_us.
+ffi::Error Meet(const Key& key, size_t me, const Route& route, float timeout_s) {
+  int64_t n = 0;
+  {
+    std::lock_guard<std::mutex> lock(groups_mutex);
+    auto it = groups.find(key);
+    if (it == groups.end()) return ffi::Error::Success();  // closed meanwhile: the kernels refuse
+    n = ++it->second.meetings;
+  }
+  const size_t R = route.meet_words.size();
+  ScopedContext scope(route.context);
+  if (scope.result()) return CudaError(scope.result(), kTarget, "cuCtxPushCurrent");
+  PrivateStream stream;
+  if (stream.result()) return CudaError(stream.result(), kTarget, "cuStreamCreate");
+  uint64_t mine = uint64_t(n);
+  for (size_t r = 0; r < R; ++r)
+    if (CUresult e = driver().MemcpyHtoDAsync(route.meet_words[r] + me * 8, &mine, 8, stream.get()))
+      return CudaError(e, kTarget, "cuMemcpyHtoDAsync (first-call meeting)");
+  if (CUresult e = stream.sync()) return CudaError(e, kTarget, "cuStreamSynchronize (first-call meeting)");
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<uint64_t> words(R, 0);
+  for (;;) {
+    if (CUresult e = driver().MemcpyDtoHAsync(words.data(), route.meet_words[me], R * 8, stream.get()))
+      return CudaError(e, kTarget, "cuMemcpyDtoHAsync (first-call meeting)");
+    if (CUresult e = stream.sync()) return CudaError(e, kTarget, "cuStreamSynchronize (first-call meeting)");
+    size_t late = R;
+    for (size_t r = 0; r < R; ++r)
+      if (words[r] < mine) late = r;
+    if (late == R) return ffi::Error::Success();
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (waited > timeout_s)
+      return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
+                        std::string(kTarget) + ": mode='peer': rank " + std::to_string(late) +
+                            " did not reach the first call of this step within connect_timeout_s = " +
+                            std::to_string(timeout_s) + " s (does every process run the same steps?)");
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
 }
 
 // ---- shape checks, the group ------------------------------------------------------------------
@@ -287,7 +462,7 @@ ffi::Error ShapeError(std::string_view name, std::string_view expected, ffi::Spa
 // device the module cache and the launches use (execute, initialize; the record stage hands
 // XLA the cubin bytes and never launches itself).
 ffi::ErrorOr<std::pair<Key, size_t>> FindGroup(int32_t ordinal, ffi::Span<const int64_t> table, int64_t ranks,
-                                               int64_t tokens, bool check_context) {
+                                               bool check_context) {
   if (ranks < 1 || ranks > kMaxRanks) return Invalid("ranks: expected 1..16, got " + std::to_string(ranks));
   if (table.size() == 0 || table.size() % size_t(ranks))
     return Invalid("group: expected [groups, R = " + std::to_string(ranks) + "] device ordinals, got " +
@@ -303,7 +478,7 @@ ffi::ErrorOr<std::pair<Key, size_t>> FindGroup(int32_t ordinal, ffi::Span<const 
       return Invalid("XLA's device ordinal " + std::to_string(ordinal) + " is not the current context's device");
   }
   const size_t index = size_t(at - table.begin()), row = index / size_t(ranks);
-  Key key{std::vector<int64_t>(table.begin() + row * ranks, table.begin() + (row + 1) * ranks), tokens, ranks};
+  Key key{std::vector<int64_t>(table.begin() + row * ranks, table.begin() + (row + 1) * ranks)};
   return std::make_pair(std::move(key), index % size_t(ranks));
 }
 
@@ -322,11 +497,15 @@ struct PeerPlan {
   int32_t fragments = 0, timeout_us = 0;
   void* control = nullptr;
   std::string_view publish_cubin, publish_entry;
-  // the consumer's parameters, cute/ABI.md order (0..13)
+  // the consumer's parameters, cute/ABI.md order (0..14; `control` above is param 14)
   void* ptr[10] = {};
   float eps = 0, out_eps = 0;
-  int32_t tokens = 0;
+  int32_t tokens = 0;  // the slots' capacity (max_tokens): the slot stride; the grid has T rows
   LaunchSpec consumer{};
+  // the call site's first execution of a group across processes meets the other ranks first
+  Key key;
+  size_t me = 0;
+  Route route;
   // the kernel updates one prefix pointer: where XLA did not alias, copy first
   const void* prefix_in = nullptr;
   void* prefix_out = nullptr;
@@ -359,8 +538,8 @@ struct PeerPlan {
   }
 
   void** consumer_params() {
-    consumer_params_ = {&ptr[0], &ptr[1], &ptr[2], &ptr[3], &ptr[4], &ptr[5],    &ptr[6],
-                        &ptr[7], &ptr[8], &ptr[9], &eps,    &out_eps, &tokens, &timeout_us};
+    consumer_params_ = {&ptr[0], &ptr[1], &ptr[2],   &ptr[3],     &ptr[4],     &ptr[5],  &ptr[6], &ptr[7],
+                        &ptr[8], &ptr[9], &eps,      &out_eps,    &tokens,     &timeout_us, &control};
     return consumer_params_.data();
   }
   std::vector<ffi::KernelArg> consumer_args() const {
@@ -369,22 +548,24 @@ struct PeerPlan {
     for (const void* value : {static_cast<const void*>(&eps), static_cast<const void*>(&out_eps),
                               static_cast<const void*>(&tokens), static_cast<const void*>(&timeout_us)})
       out.push_back(ffi::HostValue{value, 4});
+    out.push_back(ffi::DevicePointer{control});
     return out;
   }
 
  private:
   std::array<void*, kPublishParams> publish_params_{};
-  std::array<void*, 14> consumer_params_{};
+  std::array<void*, 15> consumer_params_{};
 };
 
 // The attributes every stage binds (names are matched, order is free).
 #define PEER_ATTR_SIG                                                                                         \
   std::string_view cubin, std::string_view entry, int64_t smem, int64_t block, float eps, float out_eps,     \
       int32_t timeout_us, bool pdl, ffi::Span<const int64_t> variant, std::string_view publish_cubin,        \
-      std::string_view publish_entry, ffi::Span<const int64_t> group, int64_t ranks, int32_t skip_rank
+      std::string_view publish_entry, ffi::Span<const int64_t> group, int64_t ranks, int64_t max_tokens,       \
+      float connect_timeout_s, int32_t skip_rank
 #define PEER_ATTR_ARGS                                                                                        \
   cubin, entry, smem, block, eps, out_eps, timeout_us, pdl, variant, publish_cubin, publish_entry, group, ranks, \
-      skip_rank
+      max_tokens, connect_timeout_s, skip_rank
 #define PEER_BUFFER_SIG                                                                                       \
   Bf16_2 partial, Bf16_2 prefix, Bf16_3 blocks, Bf16_1 norm, Bf16_1 query, Bf16_1 out_norm,                  \
       ffi::Result<Bf16_2> prefix_out, ffi::Result<Bf16_2> output, ffi::Result<Bf16_3> xmoe,                  \
@@ -421,11 +602,17 @@ ffi::Error PlanPeer(PeerPlan& plan, int32_t ordinal, bool check_context,
   if (timeout_us <= 0) return Invalid("timeout_us: every wait is bounded, expected > 0 microseconds, got " + std::to_string(timeout_us));
   if (block < 1 || block > 1024) return Invalid("block: expected 1..1024 threads, got " + std::to_string(block));
 
-  auto found = FindGroup(ordinal, group, ranks, T, check_context);
+  if (max_tokens < 1 || max_tokens > 65535)
+    return Invalid("max_tokens: expected 1..65535, got " + std::to_string(max_tokens));
+  if (T > max_tokens)
+    return Invalid("max_tokens: this call has T = " + std::to_string(T) + " tokens, the group's mailboxes hold " +
+                   std::to_string(max_tokens) + " (PeerOptions.max_tokens)");
+  auto found = FindGroup(ordinal, group, ranks, check_context);
   if (found.has_error()) return found.error();
   const auto& [key, me] = *found;
-  auto route = GetRoute(key, me);
+  auto route = GetRoute(key, me, max_tokens);
   if (route.has_error()) return route.error();
+  plan.key = key, plan.me = me, plan.route = *route;
 
   auto* words = static_cast<int32_t*>(flags->untyped_data());
   plan.src = partial.untyped_data();
@@ -451,7 +638,7 @@ ffi::Error PlanPeer(PeerPlan& plan, int32_t ordinal, bool check_context,
                       words + 1,   // hints: counted, never read
                       words + 0};  // status: zeroed by the publish kernel
   std::copy(values, values + 10, plan.ptr);
-  plan.eps = eps, plan.out_eps = out_eps, plan.tokens = int32_t(T);
+  plan.eps = eps, plan.out_eps = out_eps, plan.tokens = int32_t(max_tokens);
   plan.consumer = {cubin, entry, smem, block, pdl, T};
   return ffi::Error::Success();
 }
@@ -476,9 +663,13 @@ ffi::Error LaunchPublish(CUstream stream, PeerPlan& plan) {
   return ffi::Error::Success();
 }
 
-ffi::Error PeerExecute(CUstream stream, int32_t ordinal, PEER_BUFFER_SIG, PEER_ATTR_SIG) {
+ffi::Error PeerExecute(CUstream stream, int32_t ordinal, Site* site, PEER_BUFFER_SIG, PEER_ATTR_SIG) {
   PeerPlan plan;
   if (auto error = PlanPeer(plan, ordinal, true, PEER_BUFFER_ARGS, PEER_ATTR_ARGS); error.failure()) return error;
+  if (plan.route.meets && !site->met) {  // this call site's first execution: meet the other processes
+    if (auto error = Meet(plan.key, plan.me, plan.route, connect_timeout_s); error.failure()) return error;
+    site->met = true;
+  }
   if (plan.copies_prefix())
     if (CUresult r = driver().MemcpyDtoDAsync(CUdeviceptr(plan.prefix_out), CUdeviceptr(plan.prefix_in),
                                               plan.prefix_bytes, stream))
@@ -494,6 +685,9 @@ ffi::Error PeerExecute(CUstream stream, int32_t ordinal, PEER_BUFFER_SIG, PEER_A
 ffi::Error PeerRecord(RecordContext ctx, int32_t ordinal, PEER_BUFFER_SIG, PEER_ATTR_SIG) {
   PeerPlan plan;
   if (auto error = PlanPeer(plan, ordinal, false, PEER_BUFFER_ARGS, PEER_ATTR_ARGS); error.failure()) return error;
+  // a new command buffer: its first execution follows, so a group across processes meets first
+  if (plan.route.meets && ctx.action() != ffi::RecordAction::kUpdate)
+    if (auto error = Meet(plan.key, plan.me, plan.route, connect_timeout_s); error.failure()) return error;
   auto commands = ctx.commands();
   const int64_t needed = (plan.copies_prefix() ? 1 : 0) + 2;
   if (ctx.action() == ffi::RecordAction::kUpdate) {
@@ -533,7 +727,7 @@ ffi::Error PeerRecord(RecordContext ctx, int32_t ordinal, PEER_BUFFER_SIG, PEER_
                                   plan.publish_args());
   if (publish.has_error()) return publish.error();
   deps.push_back(*publish);
-  XLA_FFI_LaunchDims consumer_dims{{int32_t(kCluster), plan.tokens, 1}, {int32_t(block), 1, 1},
+  XLA_FFI_LaunchDims consumer_dims{{int32_t(kCluster), int32_t(plan.consumer.tokens), 1}, {int32_t(block), 1, 1},
                                    {int32_t(kCluster), 1, 1}};
   auto consumer = ctx.CreateLaunch(std::string(entry).c_str(), (*consumer_image)->data(), (*consumer_image)->size(),
                                    ffi::SourceFormat::kCubin, consumer_dims, uint32_t(smem), pdl,
@@ -543,17 +737,21 @@ ffi::Error PeerRecord(RecordContext ctx, int32_t ordinal, PEER_BUFFER_SIG, PEER_
 
 // ---- initialize (only where the record stage is not registered) ---------------------------------
 // Allocates the group and loads both kernels before XLA may trace execute under stream capture.
+// (No first-call meeting where execute is traced: that registration is for A/B measurements.)
 ffi::Error PeerInitialize(int32_t ordinal, ffi::RemainingArgs args, ffi::RemainingRets, PEER_ATTR_SIG) {
   if (block < 1 || block > 1024) return Invalid("block: expected 1..1024 threads, got " + std::to_string(block));
   auto prefix = args.get<Bf16_2>(1);
   if (prefix.has_error()) return prefix.error();
-  auto found = FindGroup(ordinal, group, ranks, prefix->dimensions()[0], true);
+  auto found = FindGroup(ordinal, group, ranks, true);
   if (found.has_error()) return found.error();
-  if (auto route = GetRoute(found->first, found->second); route.has_error()) return route.error();
+  if (auto route = GetRoute(found->first, found->second, max_tokens); route.has_error()) return route.error();
   for (auto [path, name, bytes] : {std::tuple{cubin, entry, smem}, std::tuple{publish_cubin, publish_entry, int64_t(0)}})
     if (auto fn = GetFunction(path, name, bytes); fn.has_error()) return fn.error();
   return ffi::Error::Success();
 }
+
+// ---- instantiate: one state per call site -------------------------------------------------------
+ffi::ErrorOr<std::unique_ptr<Site>> PeerInstantiate(PEER_ATTR_SIG) { return std::make_unique<Site>(); }
 
 }  // namespace
 
@@ -564,6 +762,8 @@ ffi::Error PeerInitialize(int32_t ordinal, ffi::RemainingArgs args, ffi::Remaini
       .Attr<std::string_view>("publish_entry")  /* its kernel entry */                         \
       .Attr<ffi::Span<const int64_t>>("group")  /* [groups, R] CUDA ordinals, rank order */    \
       .Attr<int64_t>("ranks")                   /* R */                                        \
+      .Attr<int64_t>("max_tokens")              /* rows per mailbox slot; T <= max_tokens */   \
+      .Attr<float>("connect_timeout_s")         /* bound of a first-call meeting, seconds */   \
       .Attr<int32_t>("skip_rank")               /* tests: this rank publishes nothing; -1 */
 
 #define OPROJ_PEER_BUFFERS                                \
@@ -588,10 +788,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OprojPeerInitialize, PeerInitialize,
                                   .RemainingRets() OPROJ_PEER_ATTRS,
                               {kPeerCmdBuffer});
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OprojPeerInstantiate, PeerInstantiate, ffi::Ffi::BindInstantiate() OPROJ_PEER_ATTRS,
+                              {kPeerCmdBuffer});
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OprojPeerExecute, PeerExecute,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<CUstream>>()
-                                  .Ctx<ffi::DeviceOrdinal>() OPROJ_PEER_BUFFERS OPROJ_PEER_ATTRS,
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::State<Site>>() OPROJ_PEER_BUFFERS OPROJ_PEER_ATTRS,
                               {kPeerCmdBuffer});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OprojPeerRecord, PeerRecord,
@@ -600,51 +804,122 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OprojPeerRecord, PeerRecord,
                                   .Ctx<ffi::DeviceOrdinal>() OPROJ_PEER_BUFFERS OPROJ_PEER_ATTRS,
                               {kPeerCmdBuffer});
 
-// Re-arms every group's mailboxes and zeroes their control blocks (after a failed step: a rank
-// that published late may have left data nobody will consume). Call with no peer call in
-// flight on any device. Returns 0, or -1 with the reason in `message`. No group: no CUDA call.
+// Re-arms every open group's slots this process owns and zeroes their control words (the
+// fail-stop word included): after a failed step, a rank that published late may have left data
+// nobody will consume. Call with no peer call in flight on any device. Returns 0, or -1 with the
+// reason in `message`. No group: no CUDA call.
 extern "C" int OprojPeerReset(char* message, size_t size) {
   std::lock_guard<std::mutex> lock(groups_mutex);
-  for (auto& [key, mailboxes] : groups)
-    if (auto error = Arm(mailboxes); error.failure()) {
+  for (auto& [key, g] : groups)
+    if (auto error = Arm(g); error.failure()) {
       std::snprintf(message, size, "%s", error.message().c_str());
       return -1;
     }
   return 0;
 }
 
-// ---- groups across processes (one process per GPU) -----------------------------------------------
-// A group whose devices belong to several processes (jax.distributed, one process per GPU) has
-// one rank here. Its table row holds this device's CUDA ordinal and -(1 + global device id) for
-// every other rank (oproj_jax/cute/peer_ipc.py). Python connects it when it traces a step, before
-// any call: OprojPeerExport allocates and arms this rank's mailbox and returns its legacy CUDA
-// IPC handle (64 bytes); the processes exchange the handles through jax.distributed's key-value
-// store; OprojPeerImport maps every other rank's mailbox into this device's context
-// (cuIpcOpenMemHandle, peer access enabled lazily) and registers the group, after which the FFI
-// stages find it like a group of this process. The protocol is unchanged: the addresses are
-// other GPUs' memory either way, and each process arms and resets only its own mailbox (the
-// owner of slot data is still the only one to re-arm it). A handle is published only after its
-// mailbox is armed and the arming has completed, so no peer can see an unarmed slot.
 namespace {
-
-struct Exported {
-  CUcontext context = nullptr;
-  CUdeviceptr base = 0;
-  CUipcMemHandle handle{};
-  size_t mailbox_bytes = 0;
-};
-std::map<Key, Exported> exported;  // under groups_mutex; never erased, like `groups`
-
 int Report(char* message, size_t size, const std::string& text) {
   std::snprintf(message, size, "%s", text.c_str());
   return -1;
 }
 
+// Closes one group: waits for its devices' work, marks its control words closed (kernels of an
+// executable recorded before refuse with status kClosed and touch no mailbox), keeps them as
+// retired, frees the mailboxes this process owns and unmaps the others'.
+std::string CloseGroup(const Key& key, Group& g) {
+  std::string error;
+  std::vector<CUdeviceptr> controls(g.base.size(), 0);
+  for (size_t r = 0; r < g.base.size(); ++r) {
+    if (!g.owned[r]) continue;
+    {
+      ScopedContext scope(g.contexts[r]);
+      if (CUresult e = scope.result() ? scope.result() : driver().CtxSynchronize())
+        if (error.empty()) error = CudaError(e, kTarget, "cuCtxSynchronize (close)").message();
+    }
+    if (auto e = Fill(g.contexts[r], g.control[r] + 8, kClosed, 1, "closing the control words"); e.failure())
+      if (error.empty()) error = e.message();
+    controls[r] = g.control[r];
+  }
+  retired[key] = controls;
+  Release(g);
+  return error;
+}
+}  // namespace
+
+// Frees every group this process opened (mailboxes freed, other processes' mailboxes unmapped)
+// and forgets them: the next traced step opens its group again. Their control words stay (a
+// closed group's executables are refused, never fault). Call with no peer call in flight, in
+// every process of a group (peer.close() waits for all of them before and after). Returns 0, or
+// -1 with the first error in `message` (the groups are closed anyway).
+extern "C" int OprojPeerClose(char* message, size_t size) {
+  std::lock_guard<std::mutex> lock(groups_mutex);
+  std::string error;
+  for (auto* table : {&groups, &pending})
+    for (auto& [key, g] : *table) {
+      std::string e = CloseGroup(key, g);
+      if (error.empty()) error = e;
+    }
+  groups.clear();
+  pending.clear();
+  return error.empty() ? 0 : Report(message, size, error);
+}
+
+// How many groups are open in this process (tests and diagnostics).
+extern "C" int64_t OprojPeerGroupCount() {
+  std::lock_guard<std::mutex> lock(groups_mutex);
+  return int64_t(groups.size());
+}
+
+// Bytes of mailbox memory this process holds (its own ranks' allocations, not the fixed pool of
+// control words: kControlPoolBytes per device once).
+extern "C" int64_t OprojPeerAllocatedBytes() {
+  std::lock_guard<std::mutex> lock(groups_mutex);
+  int64_t total = 0;
+  for (auto* table : {&groups, &pending})
+    for (auto& [key, g] : *table)
+      for (size_t r = 0; r < g.base.size(); ++r)
+        if (g.owned[r] && g.base[r]) total += int64_t(g.mailbox_bytes + kMeetBytes);
+  return total;
+}
+
+// The OR of the fail-stop words of every open group's ranks in this process (0: none failed);
+// -1 with the reason in `message` if one cannot be read.
+extern "C" int64_t OprojPeerFailed(char* message, size_t size) {
+  std::lock_guard<std::mutex> lock(groups_mutex);
+  uint32_t all = 0;
+  for (auto& [key, g] : groups)
+    for (size_t r = 0; r < g.base.size(); ++r) {
+      if (!g.owned[r]) continue;
+      ScopedContext scope(g.contexts[r]);
+      if (scope.result()) return Report(message, size, CudaError(scope.result(), kTarget, "cuCtxPushCurrent").message());
+      PrivateStream stream;
+      uint32_t word = 0;
+      CUresult e = stream.result() ? stream.result() : driver().MemcpyDtoHAsync(&word, g.control[r] + 8, 4, stream.get());
+      if (!e) e = stream.sync();
+      if (e) return Report(message, size, CudaError(e, kTarget, "reading the fail-stop word").message());
+      all |= word;
+    }
+  return int64_t(all);
+}
+
+// ---- groups across processes (one process per GPU) -----------------------------------------------
+// A group whose devices belong to several processes (jax.distributed, one process per GPU) has
+// one rank here. Its table row holds this device's CUDA ordinal and -(1 + global device id) for
+// every other rank (oproj_jax/cute/peer_ipc.py). Python connects it when it traces a step:
+// OprojPeerExport opens this rank's part (mailbox allocation armed, control words) and returns
+// its legacy CUDA IPC handle (64 bytes); the processes exchange the handles through
+// jax.distributed's key-value store; OprojPeerImport maps every other rank's mailbox into this
+// device's context (cuIpcOpenMemHandle, peer access enabled lazily) and registers the group,
+// after which the FFI stages find it like a group of this process. Each process arms, resets
+// and frees only its own mailbox; a handle is published only after its mailbox is armed.
+namespace {
+
 // The row's key and this device's rank in it, or a message.
-std::string RowKey(int32_t ordinal, const int64_t* row, int64_t ranks, int64_t tokens, Key& key, size_t& me) {
+std::string RowKey(int32_t ordinal, const int64_t* row, int64_t ranks, int64_t capacity, Key& key, size_t& me) {
   if (ranks < 1 || ranks > kMaxRanks) return "ranks: expected 1..16, got " + std::to_string(ranks);
-  if (tokens < 1 || tokens > 65535) return "tokens: expected 1..65535, got " + std::to_string(tokens);
-  key = Key{std::vector<int64_t>(row, row + ranks), tokens, ranks};
+  if (capacity < 1 || capacity > 65535) return "max_tokens: expected 1..65535, got " + std::to_string(capacity);
+  key = Key{std::vector<int64_t>(row, row + ranks)};
   if (std::count(key.ordinals.begin(), key.ordinals.end(), int64_t(ordinal)) != 1)
     return "row: expected CUDA ordinal " + std::to_string(ordinal) + " exactly once";
   me = size_t(std::find(key.ordinals.begin(), key.ordinals.end(), int64_t(ordinal)) - key.ordinals.begin());
@@ -654,44 +929,33 @@ std::string RowKey(int32_t ordinal, const int64_t* row, int64_t ranks, int64_t t
 
 }  // namespace
 
-// Allocates and arms this rank's mailbox of the cross-process group `row` (R entries: this
-// device's CUDA ordinal, -(1 + id) for the other ranks) for T tokens and writes its IPC handle
-// (64 bytes) to `handle`. Called again for the same group: the same handle, nothing allocated.
-// Returns 0, or -1 with the reason in `message`.
-extern "C" int OprojPeerExport(int32_t ordinal, const int64_t* row, int64_t ranks, int64_t tokens,
+// Opens this rank's part of the cross-process group `row` (R entries: this device's CUDA
+// ordinal, -(1 + id) for the other ranks) with `max_tokens` rows per slot and writes its IPC
+// handle (64 bytes) to `handle`. Called again for the same group: the same handle. Returns 0, or
+// -1 with the reason in `message`.
+extern "C" int OprojPeerExport(int32_t ordinal, const int64_t* row, int64_t ranks, int64_t max_tokens,
                                unsigned char* handle, char* message, size_t size) {
   Key key;
   size_t me = 0;
-  if (auto bad = RowKey(ordinal, row, ranks, tokens, key, me); !bad.empty()) return Report(message, size, bad);
+  if (auto bad = RowKey(ordinal, row, ranks, max_tokens, key, me); !bad.empty()) return Report(message, size, bad);
   std::lock_guard<std::mutex> lock(groups_mutex);
-  auto it = exported.find(key);
-  if (it == exported.end()) {
-    Mailboxes own;
-    own.mailbox_bytes = size_t(ranks) * size_t(tokens) * size_t(kHidden) * 2;
-    CUdevice device = 0;
-    CUcontext context = nullptr;
-    if (CUresult e = driver().DeviceGet(&device, ordinal)) return Report(message, size, CudaError(e, kTarget, "cuDeviceGet").message());
-    if (CUresult e = driver().DevicePrimaryCtxRetain(&context, device))
-      return Report(message, size, CudaError(e, kTarget, "cuDevicePrimaryCtxRetain").message());
-    ScopedContext scope(context);
-    if (scope.result()) return Report(message, size, CudaError(scope.result(), kTarget, "cuCtxPushCurrent").message());
-    CUdeviceptr base = 0;
-    if (CUresult e = driver().MemAlloc(&base, own.mailbox_bytes + kControlBytes))
-      return Report(message, size, CudaError(e, kTarget, "cuMemAlloc (mailbox)").message());
-    own.contexts = {context};
-    own.base = {base};
-    own.owned = {true};
-    CUipcMemHandle ipc{};
-    ffi::Error error = Arm(own);
-    if (error.success())
-      if (CUresult e = driver().IpcGetMemHandle(&ipc, base)) error = CudaError(e, kTarget, "cuIpcGetMemHandle");
-    if (error.failure()) {
-      driver().MemFree(base);
-      return Report(message, size, error.message());
+  Group* g = nullptr;
+  if (auto open = groups.find(key); open != groups.end()) g = &open->second;
+  if (auto half = pending.find(key); half != pending.end()) g = &half->second;
+  if (!g) {
+    Group fresh;
+    if (auto error = Open(key, max_tokens, fresh); error.failure()) return Report(message, size, error.message());
+    ScopedContext scope(fresh.contexts[me]);
+    if (CUresult e = scope.result() ? scope.result() : driver().IpcGetMemHandle(&fresh.handle, fresh.base[me])) {
+      Release(fresh);
+      return Report(message, size, CudaError(e, kTarget, "cuIpcGetMemHandle").message());
     }
-    it = exported.emplace(key, Exported{context, base, ipc, own.mailbox_bytes}).first;
+    g = &pending.emplace(key, std::move(fresh)).first->second;
   }
-  std::memcpy(handle, it->second.handle.reserved, CU_IPC_HANDLE_SIZE);
+  if (g->capacity != max_tokens)
+    return Report(message, size, "max_tokens: this group is open with max_tokens = " + std::to_string(g->capacity) +
+                                     ", asked for " + std::to_string(max_tokens) + " (close the groups first)");
+  std::memcpy(handle, g->handle.reserved, CU_IPC_HANDLE_SIZE);
   return 0;
 }
 
@@ -699,43 +963,31 @@ extern "C" int OprojPeerExport(int32_t ordinal, const int64_t* row, int64_t rank
 // entry is ignored) into this device's context and registers the group for the FFI stages.
 // Needs OprojPeerExport of the same group first. Called again once registered: nothing to do.
 // Returns 0, or -1 with the reason in `message` (then nothing stays mapped).
-extern "C" int OprojPeerImport(int32_t ordinal, const int64_t* row, int64_t ranks, int64_t tokens,
+extern "C" int OprojPeerImport(int32_t ordinal, const int64_t* row, int64_t ranks, int64_t max_tokens,
                                const unsigned char* handles, char* message, size_t size) {
   Key key;
   size_t me = 0;
-  if (auto bad = RowKey(ordinal, row, ranks, tokens, key, me); !bad.empty()) return Report(message, size, bad);
+  if (auto bad = RowKey(ordinal, row, ranks, max_tokens, key, me); !bad.empty()) return Report(message, size, bad);
   std::lock_guard<std::mutex> lock(groups_mutex);
   if (groups.count(key)) return 0;
-  auto it = exported.find(key);
-  if (it == exported.end()) return Report(message, size, "this rank's mailbox was not exported (OprojPeerExport) first");
-  const Exported& own = it->second;
-  Mailboxes m;
-  m.mailbox_bytes = own.mailbox_bytes;
-  m.contexts.assign(size_t(ranks), own.context);
-  m.base.assign(size_t(ranks), 0);
-  m.owned.assign(size_t(ranks), false);
-  ScopedContext scope(own.context);
+  auto it = pending.find(key);
+  if (it == pending.end()) return Report(message, size, "this rank's mailbox was not exported (OprojPeerExport) first");
+  Group& g = it->second;
+  ScopedContext scope(g.contexts[me]);
   if (scope.result()) return Report(message, size, CudaError(scope.result(), kTarget, "cuCtxPushCurrent").message());
   for (size_t r = 0; r < size_t(ranks); ++r) {
-    if (r == me) {
-      m.base[r] = own.base, m.owned[r] = true;
-      continue;
-    }
+    if (r == me) continue;
     CUipcMemHandle ipc{};
     std::memcpy(ipc.reserved, handles + r * CU_IPC_HANDLE_SIZE, CU_IPC_HANDLE_SIZE);
-    if (CUresult e = driver().IpcOpenMemHandle(&m.base[r], ipc, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)) {
+    g.contexts[r] = g.contexts[me];
+    if (CUresult e = driver().IpcOpenMemHandle(&g.base[r], ipc, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)) {
       for (size_t q = 0; q < r; ++q)
-        if (q != me) driver().IpcCloseMemHandle(m.base[q]);
+        if (q != me && g.base[q]) driver().IpcCloseMemHandle(g.base[q]), g.base[q] = 0;
       return Report(message, size,
                     CudaError(e, kTarget, "cuIpcOpenMemHandle (rank " + std::to_string(r) + "'s mailbox)").message());
     }
   }
-  groups.emplace(key, std::move(m));
+  groups.emplace(key, std::move(g));
+  pending.erase(it);
   return 0;
-}
-
-// How many groups have mailboxes (tests and diagnostics).
-extern "C" int64_t OprojPeerGroupCount() {
-  std::lock_guard<std::mutex> lock(groups_mutex);
-  return int64_t(groups.size());
 }
