@@ -60,18 +60,31 @@ def bench(args: list[str], timeout: float, module: str = "oproj_jax.bench") -> t
 LOGGED_TIMING = re.compile(
     r"time T=\s*(?P<T>\d+) (?P<backend>\S+)\s+(?P<buffers>donated|rotated|pipelined)\s+(?P<us>-?[\d.]+) us/call"
     r"(?:\s+\(profiler [-\d.]+, kernels [-\d.]+, busy (?P<busy>-?[\d.]+)\))?"
+    r"(?:\s+\(1-call jit profiler [-\d.]+\))?"
+    r"(?:\s+\(pipelined (?P<pipelined>[-\d.]+), host (?P<host>[-\d.]+), waited (?P<waited>[-\d.]+)\))?"
+)
+# bench/decode_step.py's line: "decode step T=   1 carried scan     cute   563.9 us/step, without consumer
+# 480.5 -> consumer   5.21 us/layer"
+LOGGED_DECODE = re.compile(
+    r"decode step T=\s*(?P<T>\d+) (?P<mailbox>\S+)\s+(?P<loop>\S+)\s+(?P<backend>\S+)\s+(?P<with>[\d.]+) us/step, "
+    r"without consumer\s+(?P<without>[\d.]+) -> consumer\s+(?P<share>-?[\d.]+) us/layer"
 )
 
 
+def _logged(value: str | None) -> float | None:
+    """A logged figure; "-" (not measured, or below the noise) and absent ones are None."""
+    return None if value in (None, "-") else float(value)
+
+
 def records_from_log(log: str) -> list[dict]:
-    """The timings a process logged before it was stopped (it writes its JSON only at the end):
-    the slope as logged (0.1 us) and the kernels' busy time (0.01 us), marked
-    recovered_from_log. The shape is the bench CLI's default, the only one this script runs."""
+    """The timings and decode steps a process logged before it was stopped (it writes its JSON
+    only at the end), at the precision they were logged, marked recovered_from_log. The shape is
+    the bench CLI's default, the only one this script runs."""
     from oproj_jax.bench.__main__ import parse_args
 
     cli = parse_args([])
     shape = dict(R=cli.ranks, NB=cli.nb, groups=cli.groups, has_delta=not cli.no_delta)
-    return [
+    timings = [
         dict(
             kind="timing",
             backend=m["backend"],
@@ -79,13 +92,38 @@ def records_from_log(log: str) -> list[dict]:
             T=int(m["T"]),
             **shape,
             us=float(m["us"]),
-            us_kernels=float(m["busy"]) if m["busy"] else None,
+            **{
+                name: value
+                for name, group in (("us_pipelined", "pipelined"), ("us_host", "host"), ("us_donated", "waited"))
+                if (value := _logged(m[group])) is not None
+            },
+            us_kernels=_logged(m["busy"]),
             device=None,
-            method="recovered from the process's log line (the slope to 0.1 us)",
+            method="recovered from the process's log line (the slope to 0.1 us, its forms to 0.01 us)",
             recovered_from_log=True,
         )
         for m in LOGGED_TIMING.finditer(log)
     ]
+    decode = [
+        dict(
+            kind="decode_step",
+            backend=m["backend"],
+            loop=m["loop"],
+            mailbox=m["mailbox"],
+            T=int(m["T"]),
+            R=cli.ranks,
+            NB=cli.nb,
+            layers=16,  # the CLI's default on a GPU, the only one this script runs
+            us_step=float(m["with"]),
+            us_step_without_consumer=float(m["without"]),
+            us_consumer_per_layer=float(m["share"]),
+            device=None,
+            method="recovered from the process's log line (step times to 0.1 us, the share to 0.01 us)",
+            recovered_from_log=True,
+        )
+        for m in LOGGED_DECODE.finditer(log)
+    ]
+    return timings + decode
 
 
 def merge(runs: list[list[dict]], primary: str | None = None) -> list[dict]:
@@ -186,6 +224,41 @@ def merge_decode(runs: list[list[dict]]) -> list[dict]:
     return merged
 
 
+def measure(args, module: str, common: list[str]) -> tuple[list, list, dict]:
+    """The processes: the chains' (`runs`), then the decode step's; their logs' ends kept."""
+    runs, logs = [], {}
+    for i in range(args.processes):
+        if args.tp:
+            extra = [] if i == 0 else ["--no-profile"]
+        else:  # the later processes leave out the rotated form
+            later = ",".join(f for f in args.buffers.split(",") if f != "rotated") or args.buffers
+            extra = ["--buffers", args.buffers] if i == 0 else ["--no-profile", "--buffers", later]
+        records, log = bench(common + extra, args.timeout, module)
+        runs.append(records)
+        logs[f"process {i}"] = log[-6000:]
+        print(f"process {i}: {sum(r.get('kind') == 'timing' for r in records)} timings", flush=True)
+    decode_runs = []
+    for i in range(args.decode_processes if args.decode_tokens else 0):
+        decode_args = ["--decode-step", "--backends", args.decode_backends or args.backends]
+        records, log = bench([*decode_args, "--tokens", args.decode_tokens, "--reps", "30"], args.timeout)
+        decode_runs.append(records)
+        logs[f"decode step {i}"] = log[-6000:]
+    return runs, decode_runs, logs
+
+
+def relog(paths: list[str]) -> tuple[list, list, dict]:
+    """The processes of earlier outputs again, from the logs they kept: for a run whose processes
+    were stopped before writing their JSON (records_from_log)."""
+    runs, decode_runs, logs = [], [], {}
+    for path in paths:
+        with open(path) as f:
+            kept = json.load(f)["logs"]
+        for name, log in kept.items():
+            logs[f"{os.path.basename(path)}: {name}"] = log
+            (decode_runs if name.startswith("decode step") else runs).append(records_from_log(log))
+    return runs, decode_runs, logs
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", required=True)
@@ -214,6 +287,15 @@ def main(argv=None) -> int:
         help="with --tp: the mesh as this many jax.distributed processes, one GPU each (bench.tp --processes); "
         "each process's view is kept apart (process_index)",
     )
+    parser.add_argument(
+        "--relog",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="measure nothing: merge again the logs kept in these earlier outputs (processes stopped before "
+        "writing their JSON), with --device naming the GPU they ran on",
+    )
+    parser.add_argument("--device", default=None, help="the device's name where the records do not carry it")
     args = parser.parse_args(argv)
 
     if args.tp:
@@ -227,33 +309,25 @@ def main(argv=None) -> int:
             "oproj_jax.bench",
             ["--backends", args.backends, "--tokens", args.tokens, "--reps", str(args.reps)],
         )
-    runs, logs = [], {}
-    for i in range(args.processes):
-        if args.tp:
-            extra = [] if i == 0 else ["--no-profile"]
-        else:  # the later processes leave out the rotated form
-            later = ",".join(f for f in args.buffers.split(",") if f != "rotated") or args.buffers
-            extra = ["--buffers", args.buffers] if i == 0 else ["--no-profile", "--buffers", later]
-        records, log = bench(common + extra, args.timeout, module)
-        runs.append(records)
-        logs[f"process {i}"] = log[-6000:]
-        print(f"process {i}: {sum(r.get('kind') == 'timing' for r in records)} timings", flush=True)
-    decode_runs = []
-    for i in range(args.decode_processes if args.decode_tokens else 0):
-        decode_args = ["--decode-step", "--backends", args.decode_backends or args.backends]
-        records, log = bench([*decode_args, "--tokens", args.decode_tokens, "--reps", "30"], args.timeout)
-        decode_runs.append(records)
-        logs[f"decode step {i}"] = log[-6000:]
+    if args.relog:
+        runs, decode_runs, logs = relog(args.relog)
+    else:
+        runs, decode_runs, logs = measure(args, module, common)
     decode = merge_decode(decode_runs)
     header = next((r for rs in runs for r in rs if r.get("kind") == "header"), None) or dict(
-        kind="header", device=next((r.get("device") for rs in runs for r in rs if r.get("device")), "gpu")
+        kind="header", device=next((r.get("device") for rs in runs for r in rs if r.get("device")), args.device or "gpu")
     )
+    if args.relog:
+        header.update(relogged_from=[os.path.basename(p) for p in args.relog])
     records = [
         header,
         *merge(runs, primary=None if args.tp else args.buffers.split(",")[0]),
         *decode,
         *(r for rs in runs for r in rs if r.get("kind") in ("error", "copy")),
     ]
+    for r in records:
+        if r.get("kind") in ("timing", "decode_step") and not r.get("device"):
+            r["device"] = header["device"]
     device = "".join(c if c.isalnum() else "-" for c in str(header.get("device", "gpu")).lower()).strip("-")
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     path = os.path.join(args.out_dir, f"{date}-{device}-{args.name}.json")

@@ -513,6 +513,35 @@ def test_record_recovers_the_timings_a_stopped_process_logged(capsys):
     assert merged["us_pipelined"] == 9.4 and merged["us_host_runs"] == [9.6, 1.2] and merged["us_donated"] == 10.4
 
 
+def test_record_recovers_the_pipelined_parts_and_decode_steps_from_a_log(capsys):
+    """The honest form's parts (slope, host, waited) and the decode step's line come back from a
+    stopped process's log, each at the precision it was logged; "-" (not measured) comes back as
+    absent, never as a number."""
+    record = benchmark_script("record")
+    config = configs.Config(16, 1, 8)
+    t = timing.Timing(4.8, 8, 32, 12, 32, 1117.0, 1219.0, 0.7, buffers="pipelined")
+    t.us_pipelined, t.us_host, t.us_donated = 4.27, 4.76, 3.18
+    quiet = timing.Timing(2.4, 8, 32, 12, 32, 1122.0, 1181.0, 1.4, buffers="pipelined")
+    quiet.us_pipelined, quiet.us_donated = 2.43, 1.89
+    runner._log_timing("pallas", config, t)
+    runner._log_timing("cute", config, quiet)
+    log = capsys.readouterr().err
+    log += "decode step T=   1 carried scan     cute         563.9 us/step, without consumer    480.5 -> consumer   5.21 us/layer\n"
+    timings, step = record.records_from_log(log)[:2], record.records_from_log(log)[2]
+    assert [(r["backend"], r["us"], r["us_pipelined"], r.get("us_host"), r["us_donated"]) for r in timings] == [
+        ("pallas", 4.8, 4.27, 4.76, 3.18),
+        ("cute", 2.4, 2.43, None, 1.89),
+    ]
+    assert (step["kind"], step["mailbox"], step["loop"], step["T"], step["us_consumer_per_layer"]) == (
+        "decode_step",
+        "carried",
+        "scan",
+        1,
+        5.21,
+    )
+    assert step["us_step"] == 563.9 and step["us_step_without_consumer"] == 480.5 and step["recovered_from_log"]
+
+
 def test_record_takes_the_median_decode_step_over_processes():
     record = benchmark_script("record")
     step = lambda us, without, backend="cute": dict(  # noqa: E731
