@@ -3,7 +3,7 @@
 For each T, interleaved over --rounds rounds (each round times every arm once, so drifts of the
 machine fall on all arms alike):
   pallas         backend="pallas" in the donated chain (bench/timing.py), pdl on / off;
-  triton         backend="triton" (lowering "library") in the donated chain, pdl on / off;
+  triton         backend="triton" (the package's launch target) in the donated chain, pdl on / off;
   triton-torch   the same kernel launched from PyTorch in CUDA graphs (bench/torch_timing.py):
                  arrival counters kept across the chain or zeroed per call, pdl on / off;
   cute           backend="cute" as it is (PDL always), the yardstick.

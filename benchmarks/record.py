@@ -315,7 +315,8 @@ def main(argv=None) -> int:
         runs, decode_runs, logs = measure(args, module, common)
     decode = merge_decode(decode_runs)
     header = next((r for rs in runs for r in rs if r.get("kind") == "header"), None) or dict(
-        kind="header", device=next((r.get("device") for rs in runs for r in rs if r.get("device")), args.device or "gpu")
+        kind="header",
+        device=next((r.get("device") for rs in runs for r in rs if r.get("device")), args.device or "gpu"),
     )
     if args.relog:
         header.update(relogged_from=[os.path.basename(p) for p in args.relog])

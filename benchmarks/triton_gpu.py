@@ -1,19 +1,20 @@
-"""The Triton backend on one GPU: every kernel variant checked and timed, one JSON file.
+"""The Triton backend on one GPU: the configuration of each T checked and timed, one JSON file.
 
   PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/triton_gpu.py --out $OUT
 
-At R=16 NB=8 groups=4 has_delta and T in 1, 8, 64, 512, 4096, on fresh random inputs:
-(a) checks: every variant of oproj_jax/triton/plan.py launched from JAX (backend.consumer) and
-    from PyTorch (torch_launch.consumer): the two bit for bit (prefix, output), the JAX result
-    against the oracle (testing.check_result on up to 64 tokens spread over T);
-(b) timings: each variant's PyTorch launch in CUDA graphs (bench/torch_timing.py: the slope of
-    captured chains of dependent calls, kernel time from torch.profiler) in a spawned PyTorch
-    process, and its JAX launch, the slope of jitted chains (bench/timing.py; jax.profiler's
-    kernel time for the default variant of each T, which is also timed with every lowering of
-    backend.LOWERINGS); each T gets an equal share of the time, the promising variants first;
+At R=16 NB=8 groups=4 has_delta and T in 1, 8, 64, 512, 4096, on fresh random inputs, the
+configuration oproj_jax/triton/plan.py takes at each T (plan.default_variant):
+(a) checks: launched from JAX (backend.launch) and from PyTorch (torch_launch.consumer): the two
+    bit for bit (prefix, output), the JAX result against the oracle (testing.check_result on up
+    to 64 tokens spread over T);
+(b) timings: the PyTorch launch in CUDA graphs (bench/torch_timing.py: the slope of captured
+    chains of dependent calls, kernel time from torch.profiler) in a spawned PyTorch process,
+    and the JAX launch, the slope of jitted chains (bench/timing.py; jax.profiler's kernel time
+    for the package's launch target), through the package's target and through jax_triton
+    (backend.launch's `jax_triton`); each T gets an equal share of the time;
 (c) one JSON in --out (<date>-<device>-triton.json): a header, then records of kind "check" and
-    "timing" (backend "triton" for JAX, with its "lowering", "triton-torch" for PyTorch; T, R,
-    NB, us, us_kernels, device, variant, ...), and the fastest variant per T as "best" records.
+    "timing" (backend "triton" for JAX, with its "launch", "library" or "jax_triton";
+    "triton-torch" for PyTorch; T, R, NB, us, us_kernels, device, variant, ...).
 
 Bounded: new steps stop at --budget seconds (what is left is recorded as skipped), and a
 watchdog writes the records so far and exits if a step hangs past it. --allow-cpu runs without a
@@ -40,15 +41,9 @@ TORCH_SHARE = 0.6  # of the time left after the checks, for the PyTorch timings 
 
 
 def parse_args(argv):
-    from oproj_jax.triton import plan
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="directory for the JSON file")
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated T (default %(default)s)")
-    parser.add_argument("--variants", default=",".join(plan.VARIANTS), help="comma-separated (default: all)")
-    parser.add_argument(
-        "--defaults-only", action="store_true", help="each T's default variant only (plan.default_variant)"
-    )
     parser.add_argument("--reps", type=int, default=10, help="timed executions per chain length (default %(default)s)")
     parser.add_argument(
         "--budget", type=float, default=200.0, help="seconds before new steps stop (default %(default)s)"
@@ -59,8 +54,8 @@ def parse_args(argv):
     parser.add_argument(
         "--buffers",
         default="donated",
-        help="JAX chains' forms, comma-separated (bench/timing.py BUFFERS); the first for every variant, "
-        "the others for the default variant (default %(default)s)",
+        help="JAX chains' forms, comma-separated (bench/timing.py BUFFERS); the first for both launches, "
+        "the others for the package's launch target (default %(default)s)",
     )
     args = parser.parse_args(argv)
     from oproj_jax.bench.timing import parse_buffers
@@ -70,10 +65,6 @@ def parse_args(argv):
     except ValueError as err:
         parser.error(str(err))
     args.tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
-    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [v for v in args.variants if v not in plan.VARIANTS]
-    if unknown:
-        parser.error(f"--variants: unknown {unknown}; known {list(plan.VARIANTS)}")
     return args
 
 
@@ -97,22 +88,19 @@ def _error(what: str, err, **fields) -> dict:
     return dict(kind="error", backend="triton", what=what, error=text[:3000], **fields)
 
 
-def by_promise(variants, T: int) -> list[str]:
-    """The default variant for T first, then the others of its kind: when time runs short, the
-    variants that may win at this T are the ones timed."""
+def default_variant(T: int) -> str:
+    """The configuration the launchers take at T (the production H)."""
     from oproj_jax import configs
     from oproj_jax.triton import plan
 
-    default = plan.default_variant(T, configs.HIDDEN)
-    kind = plan.VARIANTS[default].kind
-    return sorted(variants, key=lambda v: (v != default, plan.VARIANTS[v].kind != kind))
+    return plan.default_variant(T, configs.HIDDEN)
 
 
 # ---- (a) checks ------------------------------------------------------------------------------
 
 
-def check(case, variant: str, device) -> dict:
-    """One variant on one case: JAX launch vs PyTorch launch (bits), the JAX result vs the oracle."""
+def check(case, device) -> dict:
+    """The case's configuration: JAX launch vs PyTorch launch (bits), the JAX result vs the oracle."""
     import jax
     import numpy as np
     import torch
@@ -124,12 +112,14 @@ def check(case, variant: str, device) -> dict:
 
     config, x = case.config, case.inputs
     names = ("mailbox", "prefix", "blocks", "norm", "query", "out_norm")
-    options = dict(eps=EPS, out_eps=EPS, **config.options(), variant=variant)
-    from_jax = [np.asarray(a) for a in backend.consumer(*(jax.device_put(x[k], device) for k in names), **options)[:2]]
+    options = dict(eps=EPS, out_eps=EPS, **config.options())
+    from_jax = [np.asarray(a) for a in backend.launch(*(jax.device_put(x[k], device) for k in names), **options)[:2]]
     tensors = [torch_ref.from_numpy(x[k]).cuda() for k in names]
     from_torch = [torch_ref.to_numpy(t) for t in torch_launch.consumer(*tensors, **options)[:2]]
     torch.cuda.synchronize()
-    record = dict(kind="check", backend="triton", variant=variant, T=config.T, R=config.R, NB=config.NB)
+    record = dict(
+        kind="check", backend="triton", variant=default_variant(config.T), T=config.T, R=config.R, NB=config.NB
+    )
     record["config"], record["seed"] = config.name, case.seed
     record["jax_vs_torch_mismatch"] = {
         name: int(np.count_nonzero(testing.bits(a) != testing.bits(b)))
@@ -137,13 +127,13 @@ def check(case, variant: str, device) -> dict:
     }
     try:
         subset = testing.spread_tokens(config, x, (*from_jax, None), ORACLE_TOKENS)
-        record["out_rel_l2"] = testing.check_result(*subset, eps=EPS, out_eps=EPS, what=f"{config.name} {variant}")
+        record["out_rel_l2"] = testing.check_result(*subset, eps=EPS, out_eps=EPS, what=config.name)
         record["oracle"] = "ok"
     except AssertionError as err:
         record["oracle"] = str(err)[:2000]
     record["ok"] = record["oracle"] == "ok" and not any(record["jax_vs_torch_mismatch"].values())
     runner.log(
-        f"check T={config.T:5d} {variant:14s} jax!=torch {record['jax_vs_torch_mismatch']} "
+        f"check T={config.T:5d} {record['variant']:24s} jax!=torch {record['jax_vs_torch_mismatch']} "
         f"oracle {record['oracle'][:80]}  {'ok' if record['ok'] else 'FAIL'}"
     )
     return record
@@ -152,79 +142,64 @@ def check(case, variant: str, device) -> dict:
 # ---- (b) timings -----------------------------------------------------------------------------
 
 
-def _timing(name: str, variant: str, config, t) -> dict:
+def _timing(name: str, config, t) -> dict:
     from oproj_jax.bench import runner
 
     record = runner._timing_record(name, config, t)
-    record["variant"] = variant
+    record["variant"] = default_variant(config.T)
     if record["us_kernels"] is None:  # torch.profiler: the CUDA kernel events of a graph replay
         record["us_kernels"] = t.us_profiler
-    runner._log_timing(f"{name}:{variant}", config, t)
+    runner._log_timing(f"{name}:{record['variant']}", config, t)
     return record
 
 
-def time_jax(
-    case, variants, platform: str, reps: int, profile: bool, budget: Budget, buffers=("donated",)
-) -> list[dict]:
-    """Every variant with backend.DEFAULT_LOWERING in the chain form buffers[0]; the default
-    variant also with the other lowerings and in the other forms (bench/timing.py BUFFERS: what
-    XLA's command buffers cost per call shows in the slope)."""
+def time_jax(case, platform: str, reps: int, profile: bool, budget: Budget, buffers=("donated",)) -> list[dict]:
+    """The JAX launch through the package's target ("library") and through jax_triton
+    ("jax_triton") in the chain form buffers[0]; the package's target also in the other forms
+    (bench/timing.py BUFFERS: what XLA's command buffers cost per call shows in the slope)."""
     import jax
 
     from oproj_jax.bench import inputs as bench_inputs
     from oproj_jax.bench import timing as bench_timing
-    from oproj_jax.triton import backend, plan
+    from oproj_jax.triton import backend
 
     config = case.config
-    default = plan.default_variant(config.T, config.H)
-    others = [(default, lo) for lo in backend.LOWERINGS if lo != backend.DEFAULT_LOWERING and default in variants]
-    runs = [(v, backend.DEFAULT_LOWERING) for v in by_promise(variants, config.T)]
-    runs = [(*run, buffers[0]) for run in runs[:1] + others + runs[1:]]
-    runs[1:1] = [(default, backend.DEFAULT_LOWERING, form) for form in buffers[1:] if default in variants]
+    fields = dict(variant=default_variant(config.T), T=config.T)
+    runs = [("library", buffers[0]), ("jax_triton", buffers[0]), *(("library", form) for form in buffers[1:])]
     if budget.left() <= 0:
         return [
-            _skip(f"jax timing T={config.T} {v} {lo} {form}", "out of time (--budget)", variant=v, T=config.T)
-            for v, lo, form in runs
+            _skip(f"jax timing T={config.T} {launch} {form}", "out of time (--budget)", **fields, launch=launch)
+            for launch, form in runs
         ]
     k1, k2 = bench_timing.chain_lengths(config, platform)
     pool = bench_inputs.DevicePool(case, k2, l2_bytes=bench_timing.l2_bytes(platform))
+    options = dict(eps=bench_timing.EPS, out_eps=bench_timing.EPS, **config.options())
     records = []
-    for variant, lowering, form in runs:
-        what = f"jax timing T={config.T} {variant} {lowering} {form}"
+    for launch, form in runs:
+        what = f"jax timing T={config.T} {launch} {form}"
         if budget.left() <= 0:
-            records.append(_skip(what, "out of time (--budget)", variant=variant, T=config.T, lowering=lowering))
+            records.append(_skip(what, "out of time (--budget)", **fields, launch=launch))
             continue
-        options = dict(eps=bench_timing.EPS, out_eps=bench_timing.EPS, **config.options())
-        step = jax.jit(functools.partial(backend.launch, **options, variant=variant, lowering=lowering))
-        # One profiler trace per T (the default variant's, default lowering): a trace costs seconds.
-        traced = profile and (variant, lowering) == (default, backend.DEFAULT_LOWERING)
-        name = f"triton_{variant}_{lowering}".replace("-", "_")
+        step = jax.jit(functools.partial(backend.launch, **options, jax_triton=launch == "jax_triton"))
+        # Profiler traces for the package's target only: a trace costs seconds.
+        traced = profile and launch == "library"
         try:
             t = bench_timing.time_backend(
-                name, pool, config, k1, k2, reps, traced, step=step, profile_single=False, buffers=form
+                f"triton_{launch}", pool, config, k1, k2, reps, traced, step=step, profile_single=False, buffers=form
             )
         except Exception as err:
-            records.append(_error(what, err, variant=variant, T=config.T, lowering=lowering))
+            records.append(_error(what, err, **fields, launch=launch))
             continue
-        records.append(dict(_timing("triton", variant, config, t), lowering=lowering))
+        records.append(dict(_timing("triton", config, t), launch=launch))
     del pool
     return records
 
 
-def torch_worker(case, variants, k1: int, k2: int, reps: int, l2_bytes: int, profile: bool, deadline: float):
-    """In PyTorch's process: [(variant, Timing, or the error text, or None when out of time)]."""
+def torch_worker(case, k1: int, k2: int, reps: int, l2_bytes: int, profile: bool):
+    """In PyTorch's process: the Timing, or the error text."""
     from oproj_jax.bench import torch_timing
 
-    out = []
-    for variant in variants:
-        if time.time() > deadline:
-            out.append((variant, None))
-            continue
-        timing = torch_timing.time_safe(
-            "triton-torch", case, k1, k2, reps, l2_bytes=l2_bytes, profile=profile, variant=variant
-        )
-        out.append((variant, timing))
-    return out
+    return torch_timing.time_safe("triton-torch", case, k1, k2, reps, l2_bytes=l2_bytes, profile=profile)
 
 
 def warm_torch() -> None:
@@ -237,68 +212,28 @@ def warm_torch() -> None:
     torch.cuda.init()
 
 
-def variants_for(args, T: int) -> list[str]:
-    """The variants run at T: --variants, or with --defaults-only the default rule's."""
-    from oproj_jax import configs
-    from oproj_jax.triton import plan
-
-    return [plan.default_variant(T, configs.HIDDEN)] if args.defaults_only else args.variants
-
-
-def time_torch(pool, cases, variants, platform: str, reps: int, profile: bool, budget: Budget) -> list[dict]:
+def time_torch(pool, cases, platform: str, reps: int, profile: bool, budget: Budget) -> list[dict]:
     """Every T in `pool`'s one PyTorch process (its CUDA graphs and profiler stay out of JAX's);
-    a step that outlives the budget is abandoned (the caller terminates the pool). `variants`:
-    {T: the variants to time}."""
+    a step that outlives the budget is abandoned (the caller terminates the pool)."""
     from oproj_jax.bench import timing as bench_timing
 
     records = []
-    for i, case in enumerate(cases):
+    for case in cases:
         config = case.config
+        what = f"torch timing T={config.T}"
+        fields = dict(variant=default_variant(config.T), T=config.T)
         if budget.left() <= 0:
-            records += [
-                _skip(f"torch timing T={config.T} {v}", "out of time (--budget)", variant=v, T=config.T)
-                for v in variants[config.T]
-            ]
+            records.append(_skip(what, "out of time (--budget)", **fields))
             continue
         k1, k2 = bench_timing.chain_lengths(config, platform)
-        l2 = bench_timing.l2_bytes(platform)
-        deadline = time.time() + budget.left() / (len(cases) - i)  # an equal share of what is left per T
-        ordered = by_promise(variants[config.T], config.T)
-        job = pool.apply_async(torch_worker, (case, ordered, k1, k2, reps, l2, profile, deadline))
+        job = pool.apply_async(torch_worker, (case, k1, k2, reps, bench_timing.l2_bytes(platform), profile))
         try:
-            results = job.get(timeout=max(1.0, budget.left()) + GRACE_S / 2)
+            t = job.get(timeout=max(1.0, budget.left()) + GRACE_S / 2)
         except Exception as err:  # a timeout or a dead process: no more PyTorch timings
-            records.append(_error(f"torch timings T={config.T}", err))
+            records.append(_error(what, err, **fields))
             break
-        for variant, t in results:
-            what = f"torch timing T={config.T} {variant}"
-            if t is None:
-                records.append(_skip(what, "out of time (--budget)", variant=variant, T=config.T))
-            elif isinstance(t, str):
-                records.append(_error(what, t, variant=variant, T=config.T))
-            else:
-                records.append(_timing("triton-torch", variant, config, t))
+        records.append(_error(what, t, **fields) if isinstance(t, str) else _timing("triton-torch", config, t))
     return records
-
-
-def best_records(records: list[dict]) -> list[dict]:
-    """The fastest variant per (backend, T): by the chain slope, and by the kernel time."""
-    from oproj_jax import configs
-    from oproj_jax.triton import backend, plan
-
-    # variants compared under one lowering (the JAX side times the others for the default only)
-    timings = [
-        r for r in records if r.get("kind") == "timing" and r.get("lowering") in (None, backend.DEFAULT_LOWERING)
-    ]
-    out = []
-    for name, T in sorted({(r["backend"], r["T"]) for r in timings}):
-        rows = [r for r in timings if (r["backend"], r["T"]) == (name, T)]
-        best = dict(kind="best", backend=name, T=T, default=plan.default_variant(T, configs.HIDDEN))
-        best["by_us"] = min(rows, key=lambda r: r["us"])["variant"]
-        kernels = [r for r in rows if r.get("us_kernels") is not None]
-        best["by_us_kernels"] = min(kernels, key=lambda r: r["us_kernels"])["variant"] if kernels else None
-        out.append(best)
-    return out
 
 
 # ---- the run ---------------------------------------------------------------------------------
@@ -365,11 +300,10 @@ def _run(args, budget: Budget, platform: str, status: dict, seed: int, profile: 
     from oproj_jax.bench import runner
 
     bench_configs = [configs.Config(configs.TP, t, 8) for t in sorted(args.tokens)]
-    chosen = {c.T: variants_for(args, c.T) for c in bench_configs}
     why_not = {name: status.get(name) for name in ("triton", bench_backends.TRITON_TORCH)}
     if any(why_not.values()):
         reason = "; ".join(f"{k}: {r}" for k, r in why_not.items() if r)
-        records += [_skip(f"T={c.T} {v}", reason, variant=v, T=c.T) for c in bench_configs for v in chosen[c.T]]
+        records += [_skip(f"T={c.T}", reason, variant=default_variant(c.T), T=c.T) for c in bench_configs]
         _write(records, path)
         print(f"nothing to run here ({reason}); wrote {path}", file=sys.stderr)
         return 0 if args.allow_cpu else 1
@@ -381,37 +315,36 @@ def _run(args, budget: Budget, platform: str, status: dict, seed: int, profile: 
     torch_pool.apply_async(warm_torch)
     cases = bench_inputs.HostCases(bench_configs, seed, workers=3)  # the large ones built while small T runs
     try:
-        runner.log(f"checks: T={args.tokens}, variants {chosen} (seed {seed})")
+        runner.log(f"checks: T={args.tokens} (seed {seed})")
         for config in bench_configs:
-            case = cases.get(config)
-            for variant in chosen[config.T]:
-                what = f"check T={config.T} {variant}"
-                if budget.left() <= 0:
-                    records.append(_skip(what, "out of time (--budget)", variant=variant, T=config.T))
-                    continue
-                try:
-                    records.append(check(case, variant, device))
-                except Exception as err:
-                    records.append(_error(what, err, variant=variant, T=config.T))
+            what = f"check T={config.T}"
+            fields = dict(variant=default_variant(config.T), T=config.T)
+            if budget.left() <= 0:
+                records.append(_skip(what, "out of time (--budget)", **fields))
+                continue
+            try:
+                records.append(check(cases.get(config), device))
+            except Exception as err:
+                records.append(_error(what, err, **fields))
         # PyTorch first: its graph slope is the kernels' time, the figure the targets are set in.
         runner.log("timings: PyTorch, CUDA graphs")
         hosts = [cases.get(c) for c in bench_configs]
         share = Budget(budget.left() * TORCH_SHARE)
-        records += time_torch(torch_pool, hosts, chosen, platform, args.reps, profile, share)
+        records += time_torch(torch_pool, hosts, platform, args.reps, profile, share)
         runner.log("timings: JAX")
         for i, case in enumerate(hosts):
             share = Budget(budget.left() / (len(hosts) - i))  # an equal share of what is left per T
-            records += time_jax(case, chosen[case.config.T], platform, args.reps, profile, share, args.buffers)
+            records += time_jax(case, platform, args.reps, profile, share, args.buffers)
     finally:
         torch_pool.terminate()
         cases.close()
-    records += best_records(records)
     records[0]["wall_s"] = round(args.budget - budget.left(), 1)
     _write(records, path)
     for r in records:
-        if r["kind"] == "best":
-            fastest = f"fastest {r['by_us']:14s} by kernel time {r['by_us_kernels']}"
-            print(f"{r['backend']:13s} T={r['T']:5d}  {fastest}  default {r['default']}")
+        if r["kind"] == "timing":
+            kernels = "-" if r.get("us_kernels") is None else f"{r['us_kernels']:.2f}"
+            label = f"{r['backend']:13s} {r.get('launch', ''):10s} {r.get('buffers') or '':8s}"
+            print(f"{label} T={r['T']:5d} {r['variant']:24s} us {r['us']:8.2f}  kernels {kernels}")
     failed = [r for r in records if r["kind"] == "error" or (r["kind"] == "check" and not r["ok"])]
     print(f"wrote {path}; {len(failed)} failed checks or errors, {records[0]['wall_s']} s")
     return 1 if failed else 0

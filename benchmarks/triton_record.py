@@ -1,12 +1,13 @@
 """The Triton benchmark of record: several runs of benchmarks/triton_gpu.py (separate processes
-or device calls) merged into one JSON, the median per default variant.
+or device calls) merged into one JSON, the median per T and launch.
 
   python3 benchmarks/triton_record.py --out FILE RUN.json RUN.json RUN.json
 
-For each T, the default variant's timings (plan.default_variant; JAX launch per lowering,
-PyTorch launch) become one record with "record": true: us = the median slope over the runs,
-us_kernels = the median profiler kernel time where a run has one, the per-run values beside.
-Every run's records follow unchanged ("run": its index), so the other variants stay as history.
+For each T, the timings of its configuration (plan.default_variant; the JAX launch through the
+package's target and through jax_triton, per chain form; the PyTorch launch) become one record
+each with "record": true: us = the median slope over the runs, us_kernels = the median profiler
+kernel time where a run has one, the per-run values beside. Every run's records follow
+unchanged ("run": its index).
 """
 
 from __future__ import annotations
@@ -28,16 +29,16 @@ def merge(runs: list[list[dict]]) -> list[dict]:
     for records in runs:
         for r in records:
             if r.get("kind") == "timing" and r["variant"] == plan.default_variant(r["T"], configs.HIDDEN):
-                key = (r["T"], r["backend"], r.get("lowering") or "", r.get("buffers") or "")
+                key = (r["T"], r["backend"], r.get("launch") or "", r.get("buffers") or "")
                 groups.setdefault(key, []).append(r)
     merged = []
-    for (T, backend, lowering, buffers), rs in sorted(groups.items()):
+    for (T, backend, launch, buffers), rs in sorted(groups.items()):
         kernels = [r["us_kernels"] for r in rs if r.get("us_kernels") is not None]
         first = rs[0]
-        launch = (
+        how = (
             "PyTorch launch: slope of CUDA-graph chains"
             if backend == "triton-torch"
-            else (f"JAX launch (lowering {lowering!r}): slope of unrolled jitted chains")
+            else f"JAX launch ({launch}): slope of unrolled jitted chains"
         )
         merged.append(
             dict(
@@ -46,7 +47,7 @@ def merge(runs: list[list[dict]]) -> list[dict]:
                     for k in ("kind", "backend", "T", "R", "NB", "groups", "has_delta", "variant")
                     if k in first
                 },
-                **({"lowering": lowering} if lowering else {}),
+                **({"launch": launch} if launch else {}),
                 **({"buffers": buffers} if buffers else {}),
                 us=statistics.median(r["us"] for r in rs),
                 us_runs=[r["us"] for r in rs],
@@ -55,7 +56,7 @@ def merge(runs: list[list[dict]]) -> list[dict]:
                 device=first.get("device"),
                 date=first.get("date"),
                 record=True,
-                method=f"{launch}; us_kernels from the profiler where the run traced it; median over {len(rs)} runs",
+                method=f"{how}; us_kernels from the profiler where the run traced it; median over {len(rs)} runs",
             )
         )
     return merged
@@ -74,7 +75,7 @@ def main(argv=None) -> int:
     for r in merged:
         kernels = "-" if r["us_kernels"] is None else f"{r['us_kernels']:.2f}"
         print(
-            f"{r['backend']:12s} {r.get('lowering', ''):8s} {r.get('buffers', ''):8s} T={r['T']:5d} {r['variant']:24s} "
+            f"{r['backend']:12s} {r.get('launch', ''):10s} {r.get('buffers', ''):8s} T={r['T']:5d} {r['variant']:24s} "
             f"us {r['us']:8.2f}  kernels {kernels}"
         )
     return 0

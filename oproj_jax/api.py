@@ -16,14 +16,11 @@ from __future__ import annotations
 import functools
 import importlib
 import warnings
-from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 
-from oproj_jax.options import DEFAULTS, MAX_GROUPS, Options, takes_options  # noqa: F401 (MAX_GROUPS: re-exported)
-
-MAX_BLOCKS = 8
+from oproj_jax.contract import ConsumerResult, Dims, check_arguments
+from oproj_jax.options import DEFAULTS, Options, takes_options
 
 # Name -> module. Order matters for "auto": the first kernel that runs and handles the shape.
 _BACKENDS = {
@@ -33,66 +30,6 @@ _BACKENDS = {
     "reference": "oproj_jax.reference",
 }
 _KERNELS = ("cute", "pallas", "triton")
-
-
-class ConsumerResult(NamedTuple):
-    prefix: jax.Array  # [T, H] bf16: the updated partial-block residual (written back)
-    output: jax.Array  # [T, H] bf16: the normalized input of the next sub-layer
-    xmoe: jax.Array | None  # [reps, T, H] bf16, -0.0 written as +0.0; None when reps == 0
-
-
-class Dims(NamedTuple):
-    R: int  # ranks (mailbox slots)
-    T: int  # tokens
-    NB: int  # completed blocks
-    H: int  # hidden size
-
-
-def check_array(name: str, x: Any, ndim: int, layout: str) -> tuple[int, ...]:
-    if type(x).__module__.split(".")[0] == "torch":
-        raise TypeError(
-            f"{name}: expected a JAX (or numpy) bf16 array of shape {layout}, got a torch.Tensor; convert "
-            f"it with jax.dlpack.from_dlpack(tensor) (zero-copy on the same device), or use "
-            f"oproj_jax.torch_ref for PyTorch"
-        )
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise TypeError(f"{name}: expected a bf16 array of shape {layout}, got {type(x).__name__}")
-    try:
-        dtype = jnp.dtype(x.dtype)
-    except TypeError:
-        dtype = None
-    if dtype != jnp.bfloat16:
-        raise TypeError(f"{name}: expected dtype bfloat16 (shape {layout}), got {x.dtype}")
-    if len(x.shape) != ndim:
-        raise ValueError(f"{name}: expected rank {ndim} ({layout}), got shape {tuple(x.shape)}")
-    return tuple(int(d) for d in x.shape)
-
-
-def check_arguments(mailbox, prefix, blocks, norm, query, out_norm, **options) -> Dims:
-    """Checks dtypes, ranks, shapes, then the options (Options.from_kwargs: the missing ones at
-    their defaults); returns the dimensions. Raises TypeError/ValueError."""
-    R, T, H = check_array("mailbox", mailbox, 3, "[R, T, H]")
-    if T < 1:  # rejected, not an empty result: every kernel's grid is T; skip the call for an empty batch
-        raise ValueError(
-            f"mailbox: expected T >= 1 tokens (shape [R, T, H]), got T = 0 in shape {(R, T, H)}; "
-            f"there is nothing to consume: skip the call for an empty batch"
-        )
-    if R < 1 or H < 1:
-        raise ValueError(f"mailbox: expected R >= 1 and H >= 1 (shape [R, T, H]), got shape {(R, T, H)}")
-    prefix_shape = check_array("prefix", prefix, 2, "[T, H]")
-    if prefix_shape != (T, H):
-        raise ValueError(f"prefix: expected shape [T, H] = {(T, H)} (from mailbox), got {prefix_shape}")
-    bT, NB, bH = check_array("blocks", blocks, 3, "[T, NB, H]")
-    if (bT, bH) != (T, H):
-        raise ValueError(f"blocks: expected shape [T, NB, H] with T={T}, H={H}, got {(bT, NB, bH)}")
-    if NB > MAX_BLOCKS:
-        raise ValueError(f"blocks: expected at most {MAX_BLOCKS} completed blocks (NB), got NB={NB}")
-    for name, w in (("norm", norm), ("query", query), ("out_norm", out_norm)):
-        (wH,) = check_array(name, w, 1, "[H]")
-        if wH != H:
-            raise ValueError(f"{name}: expected shape [H] = ({H},) (from mailbox), got ({wH},)")
-    Options.from_kwargs(options)
-    return Dims(R, T, NB, H)
 
 
 def _module(name: str):
@@ -332,9 +269,9 @@ def consumer(
                        "cute"       the CuTe kernel through XLA FFI on an sm_90a GPU, with the
                                     built FFI library and cubins (python -m oproj_jax.build);
                                     H = 7168 only, and only the built variants.
-                       "triton"     the Triton kernels through jax_triton (the triton extra and
-                                    the JAX CUDA plugin) on a CUDA GPU of compute capability
-                                    8.0 or newer; any H.
+                       "triton"     the Triton kernels through the package's FFI library (the
+                                    triton extra and the JAX CUDA plugin) on a CUDA GPU of
+                                    compute capability 8.0 or newer; any H.
                        "auto"       on CUDA GPUs the first of "cute", "pallas" (compute
                                     capability 9.0: H100, H200) and "triton" (8.0 or newer)
                                     that can run and handles the shape; everywhere else (a CPU,

@@ -6,7 +6,8 @@ import dataclasses
 
 import numpy as np
 
-HIDDEN = 7168  # Kimi-K3 hidden size; the GPU kernels are built for it
+from oproj_jax.contract import HIDDEN
+
 TP = 16  # production tensor parallelism
 
 

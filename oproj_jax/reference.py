@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from oproj_jax.api import ConsumerResult, Dims
+from oproj_jax.contract import ConsumerResult, Dims
 
 f32, bf16 = jnp.float32, jnp.bfloat16
 

@@ -29,7 +29,7 @@ With a one-slot mailbox (twoshot, psum) the consumer runs with groups=1: `groups
 oneshot's order (it is still validated in every mode).
 
 Checks run eagerly, on the global shapes, before any tracing: the options (oproj_jax.options.
-Options, whose defaults they take), api.check_arguments for the generic ones, then the layout's
+Options, whose defaults they take), contract.check_arguments for the generic ones, then the layout's
 (mesh axis, R, H % R, mode). The backend is resolved once,
 for one rank's view and the platform of the mesh's devices (which need not be JAX's default
 backend); a backend that cannot run there raises, as in api.consumer.
@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from oproj_jax import api
+from oproj_jax import api, contract
 from oproj_jax.cute import peer
 from oproj_jax.options import Options, takes_options
 from oproj_jax.reference import rank_sum, to_bf16, without_negative_zero
@@ -86,7 +86,7 @@ def _check_ranks(R: int, ranks: int, mode: str, H: int, what: str) -> None:
         raise ValueError(f"{what}: twoshot splits H into R column slices; expected H % R == 0, got H={H}, R={R}")
 
 
-def _plan(mesh, axis_name, mode, backend, opts: Options, dims: api.Dims, fused: bool, peer_options):
+def _plan(mesh, axis_name, mode, backend, opts: Options, dims: contract.Dims, fused: bool, peer_options):
     """Resolves the backend for one rank's view on the mesh's platform (eagerly, so "auto" and
     errors follow the mesh's devices, not JAX's default backend) and returns the jitted layout."""
     if mode == "peer":
@@ -100,7 +100,7 @@ def _plan(mesh, axis_name, mode, backend, opts: Options, dims: api.Dims, fused: 
     return _sharded(mesh, axis_name, mode, name, opts, fused, dims.NB == 0)
 
 
-def _peer_plan(mesh, axis_name, backend, opts: Options, dims: api.Dims, options):
+def _peer_plan(mesh, axis_name, backend, opts: Options, dims: contract.Dims, options):
     """Checks that mode="peer" runs here (backend cute on CUDA GPUs, a supported shape) and
     connects groups that span processes; returns what the jitted layout needs: (the group table, the options)."""
     if backend not in ("auto", "cute"):
@@ -122,8 +122,8 @@ def _peer_plan(mesh, axis_name, backend, opts: Options, dims: api.Dims, options)
 
 def _fused_partial(attn, w_o, ranks: int) -> jax.ShapeDtypeStruct:
     """Checks the fused producer's inputs; returns the partial [R, T, H] it will publish."""
-    T, K = api.check_array("attn", attn, 2, "[T, heads*head_dim]")
-    wK, H = api.check_array("w_o", w_o, 2, "[heads*head_dim, H]")
+    T, K = contract.check_array("attn", attn, 2, "[T, heads*head_dim]")
+    wK, H = contract.check_array("w_o", w_o, 2, "[heads*head_dim, H]")
     if wK != K:
         raise ValueError(
             f"w_o: expected shape [heads*head_dim, H] with heads*head_dim = {K} (from attn), got {(wK, H)}"
@@ -147,13 +147,13 @@ def _tp_call(
     backend: str = "auto",
     peer_options: peer.PeerOptions | None = None,  # mode="peer" only
     **options,
-) -> api.ConsumerResult | peer.PeerResult:
+) -> contract.ConsumerResult | peer.PeerResult:
     """tp_consumer and tp_oproj_consumer: the checks, the layout (cached) and the call."""
     fused = len(producer) == 2
     ranks = _check_layout(mesh, axis_name, mode, backend, peer_options)
     opts = Options.from_kwargs(options)
     partial = _fused_partial(*producer, ranks) if fused else producer[0]
-    dims = api.check_arguments(partial, prefix, blocks, norm, query, out_norm, **opts.asdict())
+    dims = contract.check_arguments(partial, prefix, blocks, norm, query, out_norm, **opts.asdict())
     _check_ranks(dims.R, ranks, mode, dims.H, "w_o" if fused else "partial")
     fn = _plan(mesh, axis_name, mode, backend, opts, dims, fused, peer_options)
     result = fn(*producer, prefix, norm, query, out_norm, *(() if dims.NB == 0 else (blocks,)))
@@ -176,7 +176,7 @@ def tp_consumer(
     query,  # [H] bf16, replicated
     out_norm,  # [H] bf16, replicated
     **keywords,
-) -> api.ConsumerResult | peer.PeerResult:
+) -> contract.ConsumerResult | peer.PeerResult:
     """The consumer over a TP group: each rank holds its partial o-projection; see MODES above.
     Keywords: the layout (`mesh`, `axis_name`, `mode`, `backend`; `peer_options` for mode="peer"
     only) and the options, as api.consumer.
@@ -199,7 +199,7 @@ def tp_oproj_consumer(
     query,
     out_norm,
     **keywords,
-) -> api.ConsumerResult | peer.PeerResult:
+) -> contract.ConsumerResult | peer.PeerResult:
     """The fused TP producer + consumer, in one shard_map. The other arrays (replicated) and the
     keywords are tp_consumer's.
 

@@ -43,8 +43,14 @@ def output_f64(prefix, blocks, norm, query, out_norm, *, eps, out_eps) -> np.nda
 
 
 def rel_l2(got, want) -> float:
+    """||got - want|| / ||want||. An all-zero `want` (e.g. the output of an all-zero prefix row at
+    NB = 0) is matched only by an all-zero `got`: 0.0 then, else inf (the bound
+    ||got - want|| <= tol * ||want|| multiplied out; 0/0 would be NaN, which fails every bound)."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+    error, scale = np.linalg.norm(got - want), np.linalg.norm(want)
+    if scale == 0:
+        return 0.0 if error == 0 else float("inf")
+    return float(error / scale)
 
 
 def bits(x) -> np.ndarray:

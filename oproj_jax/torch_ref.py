@@ -13,13 +13,11 @@ rounding. Inputs are never modified: the updated prefix is returned, not written
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
 
 import numpy as np
 
+from oproj_jax.contract import TorchResult, check_tensors
 from oproj_jax.options import Options, takes_options
-
-MAX_BLOCKS = 8
 
 
 def _torch():
@@ -30,12 +28,6 @@ def _torch():
             "oproj_jax.torch_ref needs PyTorch, which is not installed: pip install oproj-jax[test]"
         ) from err
     return torch
-
-
-class TorchResult(NamedTuple):
-    prefix: Any  # [T, H] bf16 torch.Tensor: the updated partial-block residual
-    output: Any  # [T, H] bf16 torch.Tensor
-    xmoe: Any  # [reps, T, H] bf16 torch.Tensor with -0.0 written as +0.0; None when reps == 0
 
 
 def from_numpy(x):  # numpy (ml_dtypes bf16) or jax [...] -> bf16 torch.Tensor [...] on the CPU, a copy
@@ -54,30 +46,6 @@ def to_numpy(x):  # bf16 torch.Tensor [...] (any device) -> numpy ml_dtypes bf16
     if x.dtype != torch.bfloat16:
         raise TypeError(f"to_numpy: expected a bfloat16 tensor, got {x.dtype}")
     return x.detach().cpu().contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-
-
-def check_tensors(torch, mailbox, prefix, blocks, norm, query, out_norm) -> None:
-    """Dtypes, devices and shapes of the six tensors (TypeError / ValueError naming the argument);
-    shared with the Triton kernel's PyTorch entry (oproj_jax/triton/torch_launch.py)."""
-    named = dict(mailbox=mailbox, prefix=prefix, blocks=blocks, norm=norm, query=query, out_norm=out_norm)
-    for name, x in named.items():
-        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
-            got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
-            raise TypeError(f"{name}: expected a bfloat16 torch.Tensor, got {got}")
-        if x.device != mailbox.device:
-            raise ValueError(f"{name}: expected device {mailbox.device} (from mailbox), got {x.device}")
-    if mailbox.dim() != 3:
-        raise ValueError(f"mailbox: expected shape [R, T, H], got {tuple(mailbox.shape)}")
-    R, T, H = mailbox.shape
-    want = dict(prefix=(T, H), norm=(H,), query=(H,), out_norm=(H,))
-    for name, shape in want.items():
-        if tuple(named[name].shape) != shape:
-            got = tuple(named[name].shape)
-            raise ValueError(f"{name}: expected shape {shape} (from mailbox [R, T, H]), got {got}")
-    if blocks.dim() != 3 or (blocks.shape[0], blocks.shape[2]) != (T, H) or blocks.shape[1] > MAX_BLOCKS:
-        raise ValueError(
-            f"blocks: expected shape [T, NB, H] = ({T}, NB <= {MAX_BLOCKS}, {H}), got {tuple(blocks.shape)}"
-        )
 
 
 def _ordered_rank_sum(slots, groups: int):  # R x [T, H] f32 -> [T, H] f32

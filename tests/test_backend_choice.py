@@ -15,7 +15,7 @@ import pytest
 import oproj_jax
 from conftest import fake_ready_cubins
 from oproj_jax import api, configs
-from oproj_jax.api import Dims
+from oproj_jax.contract import Dims
 from oproj_jax.cute import backend as cute_backend
 from oproj_jax.cute import cache as cute_cache
 from oproj_jax.cute import manifest as M

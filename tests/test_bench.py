@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from conftest import benchmark_script, worker_env
 
-from oproj_jax import api, configs, reference, testing
+from oproj_jax import api, configs, contract, reference, testing
 from oproj_jax.bench import __main__ as cli
 from oproj_jax.bench import backends as bench_backends
 from oproj_jax.bench import checks, inputs, report, runner, timing
@@ -208,7 +208,7 @@ def _broken_consumer(mailbox, prefix, blocks, norm, query, out_norm, **options):
     good = reference.consumer(mailbox, prefix, blocks, norm, query, out_norm, **options)
     bits = jax.lax.bitcast_convert_type(good.prefix, jnp.uint16)
     bad_prefix = jax.lax.bitcast_convert_type(bits.at[0, 0].set(bits[0, 0] ^ 1), jnp.bfloat16)
-    return api.ConsumerResult(bad_prefix, good.output.at[0, 5].set(jnp.nan), good.xmoe)
+    return contract.ConsumerResult(bad_prefix, good.output.at[0, 5].set(jnp.nan), good.xmoe)
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import oproj_jax
-from oproj_jax import api, configs, testing
+from oproj_jax import api, configs, contract, testing
 from oproj_jax.configs import Config
 
 ARGS = ("mailbox", "prefix", "blocks", "norm", "query", "out_norm")
@@ -69,7 +69,7 @@ def need_support(backend: str, arrays: dict, options: dict) -> None:
     if backend == "torch":
         return
     R, T, H = arrays["mailbox"].shape
-    reason = api.unsupported_reason(backend, api.Dims(R, T, arrays["blocks"].shape[1], H), **options)
+    reason = api.unsupported_reason(backend, contract.Dims(R, T, arrays["blocks"].shape[1], H), **options)
     if reason:
         pytest.skip(f"backend={backend!r} does not handle this call: {reason}")
 

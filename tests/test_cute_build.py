@@ -35,16 +35,8 @@ def built(tmp_path_factory):
     from oproj_jax.cute import build
 
     out = tmp_path_factory.mktemp("cubins")
-    build.build_cubins(out, KEYS, jobs=2)  # each key as every build of M.BUILDS
+    build.build_cubins(out, KEYS, jobs=2)  # each key as the folded build
     return out, M.load_manifest(out)
-
-
-BUILDS = [(key, b) for key in KEYS for b in M.BUILDS]
-
-
-def _build_id(build):
-    key, how = build
-    return f"{M.describe(key)} {how.tag}"
 
 
 def _section_headers(data: bytes) -> list[tuple]:
@@ -93,46 +85,43 @@ def _register_count(data: bytes) -> int:
     raise AssertionError("no EIATTR_REGCOUNT in .nv.info")
 
 
-def test_manifest_lists_every_build_once(built):
+def test_manifest_lists_every_key_once_as_the_folded_build(built):
     out, manifest = built
     assert manifest["arch"] == "sm_90a" and manifest["H"] == 7168
-    assert sorted(
-        json.dumps([e["key"], e["min_ctas"], e["fold"]], sort_keys=True) for e in manifest["kernels"]
-    ) == sorted(json.dumps([k, b.min_ctas, b.fold], sort_keys=True) for k, b in BUILDS)
-    assert len({e["cubin"] for e in manifest["kernels"]}) == len(BUILDS)
+    assert sorted(json.dumps(e["key"], sort_keys=True) for e in manifest["kernels"]) == sorted(
+        json.dumps(k, sort_keys=True) for k in KEYS
+    )
+    assert all(M.entry_build(e) == M.FOLDED for e in manifest["kernels"])
+    assert len({e["cubin"] for e in manifest["kernels"]}) == len(KEYS)
 
 
-@pytest.mark.parametrize("build", BUILDS, ids=_build_id)
-def test_cubin_is_elf_with_the_manifest_entry(built, build):
+@pytest.mark.parametrize("key", KEYS, ids=M.describe)
+def test_cubin_is_elf_with_the_manifest_entry(built, key):
     out, manifest = built
-    entry = M.find(manifest, *build)
+    entry = M.find(manifest, key)
     assert entry is not None
     data = M.cubin_path(manifest, entry).read_bytes()
     assert data[:4] == b"\x7fELF"
     assert entry["entry"].encode() in _elf_symbols(data)
 
 
-@pytest.mark.parametrize("build", BUILDS, ids=_build_id)
-def test_launch_bound_reaches_the_register_allocation(built, build):
-    key, how = build
+@pytest.mark.parametrize("key", KEYS, ids=M.describe)
+def test_no_launch_bound_and_a_register_count_ptxas_allows(built, key):
     _, manifest = built
-    entry = M.find(manifest, key, how)
-    regs = _register_count(M.cubin_path(manifest, entry).read_bytes())
-    threads = entry["block"][0]
-    if how.min_ctas:  # 64K registers per SM shared by min_ctas CTAs
-        assert regs * threads * how.min_ctas <= 65536, regs
-    else:
-        assert regs <= 255
+    entry = M.find(manifest, key)
+    assert entry["min_ctas"] == 0
+    assert _register_count(M.cubin_path(manifest, entry).read_bytes()) <= 255
 
 
-def test_build_choice_by_mode(monkeypatch):
-    # one cubin per key serves every path: the folded build in ready and protocol mode, every T
-    assert {M.build_for(t, r) for t in (1, 64, 65, 4096) for r in (True, False)} == {M.Build(0, fold=True)}
-    # the grouped builds stay selectable for protocol mode (A/B runs); ready mode keeps the folded one
-    monkeypatch.setattr(M, "PROTOCOL_BUILD", M.GROUPED_BOUNDED)
-    assert M.build_for(1, False) == M.build_for(4096, False) == M.Build(3)
-    assert M.build_for(1, True) == M.FOLDED
-    assert M.PROTOCOL_BUILD in M.BUILDS
+def test_only_the_folded_build_is_found():
+    """Every path launches manifest.FOLDED: an entry of another build (an older manifest's) is
+    never returned, whatever the order of the entries."""
+    key = M.make_key(2, 1, True, 2, 0, False)
+    grouped = dict(key=key, min_ctas=0, fold=False, cubin="g.cubin")
+    folded = dict(key=key, min_ctas=0, fold=True, cubin="f.cubin")
+    for kernels in ([grouped, folded], [folded, grouped]):
+        assert M.find({"kernels": kernels}, key) is folded
+    assert M.find({"kernels": [grouped, dict(grouped, min_ctas=3)]}, key) is None
 
 
 @pytest.mark.parametrize(
@@ -177,46 +166,43 @@ def test_an_equivalent_groups_finds_the_entry():
     entry = dict(key=M.make_key(2, 1, True, 2, 0, False), min_ctas=0, fold=True, cubin="k.cubin")
     manifest = {"arch": "sm_90a", "H": 7168, "kernels": [entry], "dir": "."}
     for groups in (2, 3, 4):
-        assert M.find(manifest, dict(entry["key"], groups=groups), M.FOLDED) is entry
-    assert M.find(manifest, dict(entry["key"], groups=1), M.FOLDED) is None
+        assert M.find(manifest, dict(entry["key"], groups=groups)) is entry
+    assert M.find(manifest, dict(entry["key"], groups=1)) is None
     with pytest.raises(ValueError, match="groups"):
         M.make_key(2, 1, True, 0, 0, False)
 
 
 def test_the_default_set():
-    """The production family folded, the GPU tests' and benchmarks' keys as every build."""
+    """The production family, and every key the GPU tests and benchmarks run (the twoshot ones
+    added; the rest, mode="peer"'s too, are in the family)."""
     from oproj_jax import configs
     from oproj_jax.cute import build
 
-    work = build.default_set()
+    keys = build.default_set()
     family = build.production_keys()
     assert len(family) == 9 * 2 * 4 * (1 + 2 + 3 + 4 + 4)  # NB x has_delta x xmoe x effective (R, groups)
-    pairs = {(json.dumps(k, sort_keys=True), b) for k, b in work}
-    assert len(pairs) == len(work)  # no repeats
-    for key in family:
-        assert (json.dumps(key, sort_keys=True), M.FOLDED) in pairs
+    listed = {json.dumps(k, sort_keys=True) for k in keys}
+    assert len(listed) == len(keys) == len(family) + len(build.twoshot_keys())  # no repeats
+    assert all(k["twoshot"] for k in build.twoshot_keys())
+
+    def prebuilt(R, NB, has_delta, groups, reps, twoshot):
+        return json.dumps(M.make_key(R, NB, has_delta, groups, reps, twoshot), sort_keys=True) in listed
+
     for c in configs.GPU_CHECKS + configs.BENCH:
-        key = M.make_key(c.R, c.NB, c.has_delta, c.groups, c.xmoe_replicas, c.twoshot)
-        assert {b for k, b in work if k == key} == set(M.BUILDS), c.name
-    grouped = [k for k, b in work if not b.fold]
-    assert len(grouped) == 2 * len(build.comparison_keys()) < len(family) // 10
+        assert prebuilt(c.R, c.NB, c.has_delta, c.groups, c.xmoe_replicas, c.twoshot), c.name
+        if c.twoshot:  # the registry consumer of a twoshot config reads the gathered row: one slot
+            assert prebuilt(1, c.NB, c.has_delta, c.groups, c.xmoe_replicas, False), c.name
+    for groups in (1, 2, 3, 4):  # mode="peer" on 2 GPUs (tests/test_peer_gpu.py, bench/tp.py)
+        for nb, delta, reps in ((0, False, 0), (0, False, 1), (8, True, 0)):
+            assert prebuilt(2, nb, delta, groups, reps, False)
 
 
-def test_build_tags_round_trip():
-    for how in M.BUILDS + (M.Build(8, fold=True),):
-        assert M.parse_build(how.tag) == how
-    for bad in ("", "3", "x3", "m", "f-1", "m3f"):
-        with pytest.raises(ValueError, match="build"):
-            M.parse_build(bad)
-
-
-@pytest.mark.parametrize("build", BUILDS, ids=_build_id)
-def test_params_block_cluster_smem_follow_the_abi(built, build):
-    key, how = build
+@pytest.mark.parametrize("key", KEYS, ids=M.describe)
+def test_params_block_cluster_smem_follow_the_abi(built, key):
     _, manifest = built
-    entry = M.find(manifest, key, how)
+    entry = M.find(manifest, key)
     assert entry["params"] == (TWOSHOT_PARAMS if key["twoshot"] else ONESHOT_PARAMS)
-    assert entry["block"] == [128 if how.fold else 128 * key["groups"], 1, 1]
+    assert entry["block"] == [128, 1, 1]
     assert entry["cluster"] == [7, 1, 1]
     # at least the prefetched rows (norm, query, out_norm, prefix, blocks: 2 KiB per CTA each)
     assert entry["dynamic_smem_bytes"] >= (4 + key["NB"]) * 2048
@@ -283,6 +269,6 @@ def test_trace_build_adds_timers_and_leaves_the_shipped_kernel_alone(built):
     out, manifest = built
     key = KEYS[0]
     traced = build.compile_variant(key, M.FOLDED, trace=True)["cubin_bytes"]
-    shipped = (out / M.find(manifest, key, M.FOLDED)["cubin"]).read_bytes()
+    shipped = (out / M.find(manifest, key)["cubin"]).read_bytes()
     assert build.compile_variant(key, M.FOLDED)["cubin_bytes"] == shipped
     assert traced != shipped and _elf_symbols(traced) == _elf_symbols(shipped)

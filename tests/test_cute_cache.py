@@ -2,6 +2,8 @@
 prebuilt set compiled into a private cache by the first call that needs it, reused by a fresh
 process without compiling, compiled once by two processes racing for it, refused once its
 cubin is changed. Skipped with the reason where the CuTe DSL is not importable; about 15 s.
+Without the DSL: where the cache is (platformdirs, $XDG_CACHE_HOME, $OPROJ_JAX_CACHE_DIR), and a
+lock held by another process past cache.LOCK_TIMEOUT_S is a TimeoutError naming the lock file.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
+from contextlib import contextmanager
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -189,7 +194,76 @@ def test_a_changed_cached_cubin_is_refused(first_use, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="sha256") as err:
         backend._kernel(KEY, 1, True)
     message = str(err.value)
-    assert str(cubin) in message and "python -m oproj_jax.cute.build --key 3,1,1,3,0,0 --builds f0" in message
+    assert str(cubin) in message and "python -m oproj_jax.cute.build --key 3,1,1,3,0,0`" in message
     assert f"or delete {_entry_file(str(cubin))} to compile it again on first use" in message
     dims = backend.Dims(3, 1, 1, H)
     assert "sha256" in backend.unsupported_reason(dims, **OPTIONS)  # not offered as supported either
+
+
+# ---- where the cache is, and its lock (no DSL needed) -----------------------------------------
+
+
+def test_cache_root_follows_platformdirs_unless_overridden(monkeypatch, tmp_path):
+    """$OPROJ_JAX_CACHE_DIR is the root itself; unset or empty, platformdirs' user cache
+    directory: $XDG_CACHE_HOME/oproj_jax/cubins, else ~/.cache/oproj_jax/cubins (Linux)."""
+    monkeypatch.setenv(cache.ENV_CACHE_DIR, str(tmp_path / "mine"))
+    assert cache.cache_root() == tmp_path / "mine"
+    assert cache.directory().parent == tmp_path / "mine"
+    monkeypatch.setenv(cache.ENV_CACHE_DIR, "")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache.cache_root() == tmp_path / "xdg" / "oproj_jax" / "cubins"
+    monkeypatch.delenv(cache.ENV_CACHE_DIR)
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    if sys.platform == "linux":
+        assert cache.cache_root() == tmp_path / "home" / ".cache" / "oproj_jax" / "cubins"
+
+
+_HOLD = "import sys, filelock; lock = filelock.FileLock(sys.argv[1]); lock.acquire(); print('held', flush=True); sys.stdin.read()"
+
+
+@contextmanager
+def _held_by_another_process(path: Path):
+    """The lock file `path` held (filelock) by a child process until the block ends."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        yield
+    finally:
+        holder.stdin.close()  # the child's read returns: it exits, and the lock is released
+        holder.wait(timeout=30)
+
+
+def test_a_lock_held_past_the_timeout_is_a_clear_error(monkeypatch, tmp_path):
+    """Another process holds the variant's lock (compiling it, or hung): this one waits
+    cache.LOCK_TIMEOUT_S (here 0.2 s), then raises a TimeoutError naming the lock file, what its
+    holder does and what to do; it compiles nothing and writes no entry. Once the lock is free
+    the same call takes it and compiles."""
+    monkeypatch.setenv(cache.ENV_CACHE_DIR, str(tmp_path))
+    monkeypatch.delenv(cache.ENV_NO_COMPILE, raising=False)
+    monkeypatch.setattr(cache, "LOCK_TIMEOUT_S", 0.2)
+    where, name, entry_path = cache._files(KEY)
+    lock = where / (name.removesuffix(".cubin") + ".lock")
+    where.mkdir(parents=True)
+    compiled = []
+
+    def fake_compile(key, where, name, entry_path, why):
+        compiled.append(name)
+        raise RuntimeError("stop here: the lock was taken")
+
+    monkeypatch.setattr(cache, "_compile", fake_compile)
+    with _held_by_another_process(lock):
+        start = time.monotonic()
+        with pytest.raises(TimeoutError) as err:
+            cache.kernel(KEY, "test", "the rebuild command")
+        waited = time.monotonic() - start
+    message = str(err.value)
+    assert str(lock) in message and f"compiling the CuTe cubin {name}" in message, message
+    assert "another process holds it" in message and f"delete {lock}" in message, message
+    assert 0.2 <= waited < 10, waited
+    assert not compiled and not entry_path.exists()
+    with pytest.raises(RuntimeError, match="stop here"):  # released: taken at once, and compiling starts
+        cache.kernel(KEY, "test", "the rebuild command")
+    assert compiled == [name]

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import fake_ready_cubins
 from oproj_jax import configs
-from oproj_jax.api import Dims
+from oproj_jax.contract import Dims
 from oproj_jax.cute import backend, cache, ffi
 from oproj_jax.cute import manifest as M
 
@@ -170,7 +170,7 @@ def test_a_changed_cubin_is_refused_naming_the_file_and_the_rebuild(cubins):
         backend._kernel(KEY, 1, ready=True)
     message = str(err.value)
     assert str(cubins / "k.cubin") in message
-    assert "python -m oproj_jax.cute.build --key 2,1,1,2,0,0 --builds f0" in message
+    assert "python -m oproj_jax.cute.build --key 2,1,1,2,0,0`" in message
 
 
 def test_a_cubin_without_a_recorded_sha256_is_refused(cubins):
@@ -219,21 +219,43 @@ def test_the_build_drops_entries_of_other_sources(tmp_path, monkeypatch):
         arch=build.ARCH,
         H=configs.HIDDEN,
         fingerprint="0" * 64,
-        kernels=[dict(key=M.make_key(16, 0, True, 1, 0, False), cubin="old.cubin")],
+        kernels=[dict(key=M.make_key(16, 0, True, 1, 0, False), min_ctas=0, fold=True, cubin="old.cubin")],
     )
     (tmp_path / "old.cubin").write_bytes(b"old")
     (tmp_path / M.MANIFEST).write_text(json.dumps(old))
-    monkeypatch.setattr(
-        build,
-        "_compile_to",
-        lambda args: dict(key=args[0], min_ctas=args[1].min_ctas, fold=args[1].fold, cubin="new.cubin"),
-    )
+    monkeypatch.setattr(build, "_compile_to", lambda args: dict(key=args[0], min_ctas=0, fold=True, cubin="new.cubin"))
     monkeypatch.setattr(build, "compile_publish", lambda: dict(cubin=M.PUBLISH_CUBIN, cubin_bytes=b"publish"))
     (tmp_path / "new.cubin").write_bytes(b"new")
-    manifest = build.build_cubins(tmp_path, [KEY], jobs=1, builds=[M.FOLDED])
+    manifest = build.build_cubins(tmp_path, [KEY], jobs=1)
     assert [e["cubin"] for e in manifest["kernels"]] == ["new.cubin"]
     assert manifest["fingerprint"] == M.source_fingerprint(build.dsl_version())
     assert manifest["publish"]["sha256"] == M.file_sha256(tmp_path / M.PUBLISH_CUBIN)
+
+
+def test_the_build_keeps_only_folded_entries_of_these_sources(tmp_path, monkeypatch):
+    """Adding a key to a built set keeps that manifest's other folded entries, and drops those of
+    another build (nothing launches them) with their cubins."""
+    pytest.importorskip("cutlass")
+    from oproj_jax.cute import build
+
+    other = M.make_key(16, 0, True, 1, 0, False)
+    old = dict(
+        arch=build.ARCH,
+        H=configs.HIDDEN,
+        fingerprint=M.source_fingerprint(build.dsl_version()),
+        kernels=[
+            dict(key=other, min_ctas=0, fold=True, cubin="oproj_R16_f.cubin"),
+            dict(key=other, min_ctas=3, fold=False, cubin="oproj_R16_m3.cubin"),
+        ],
+    )
+    for name in ("oproj_R16_f.cubin", "oproj_R16_m3.cubin", "new.cubin"):
+        (tmp_path / name).write_bytes(name.encode())
+    (tmp_path / M.MANIFEST).write_text(json.dumps(old))
+    monkeypatch.setattr(build, "_compile_to", lambda args: dict(key=args[0], min_ctas=0, fold=True, cubin="new.cubin"))
+    monkeypatch.setattr(build, "compile_publish", lambda: dict(cubin=M.PUBLISH_CUBIN, cubin_bytes=b"publish"))
+    manifest = build.build_cubins(tmp_path, [KEY], jobs=1)
+    assert [e["cubin"] for e in manifest["kernels"]] == ["oproj_R16_f.cubin", "new.cubin"]
+    assert not (tmp_path / "oproj_R16_m3.cubin").exists()
 
 
 def test_the_real_manifest_matches_the_sources_and_its_cubins():

@@ -19,7 +19,7 @@ import pytest
 import oproj_jax
 from oproj_jax import configs, reference
 from oproj_jax.cute import ffi
-from oproj_jax.api import Dims
+from oproj_jax.contract import Dims
 from oproj_jax.cute import backend, cache
 from oproj_jax.cute import manifest as cute_manifest
 
@@ -36,7 +36,7 @@ def library(tmp_path_factory):
 
 @pytest.fixture
 def fake_cubins(tmp_path, monkeypatch, library):
-    kernels = []
+    kernels = []  # first the grouped build's entries, as an older manifest lists them: never launched
     for i, key in enumerate((ONESHOT_KEY, TWOSHOT_KEY)):
         (tmp_path / f"variant{i}.cubin").write_bytes(b"not a cubin: lowering never opens it")
         kernels.append(
@@ -50,7 +50,7 @@ def fake_cubins(tmp_path, monkeypatch, library):
                 params=[".u64"] * (17 if key["twoshot"] else 15),
             )
         )
-    # the folded builds (128 threads), which both modes launch (manifest.build_for)
+    # the folded builds (128 threads): the one build every call launches (manifest.FOLDED)
     for i in range(2):
         (tmp_path / f"variant{i}f.cubin").write_bytes(b"not a cubin either")
         kernels.append(
@@ -87,61 +87,44 @@ def test_library_builds_and_exports_the_handlers(library):
     lib = ctypes.CDLL(str(library))
     assert getattr(lib, ffi.BOOTSTRAP_SYMBOL)
     for stages in ffi.SYMBOLS.values():
-        for symbol in (stages.initialize, stages.execute, stages.record):
+        for symbol in stages:
             if symbol is not None:
                 assert getattr(lib, symbol)  # AttributeError if not exported
 
 
-@pytest.mark.parametrize("registration", ffi.REGISTRATIONS)
-def test_stage_table(registration):
-    """What the bootstrap call registers per mode: graph nodes through the record stage
-    ("record"), traced execute ("traced", initialize loads the module outside the capture),
-    or plain launches outside command buffers ("direct")."""
-    symbols, traits = ffi._stage_table(registration)
-    assert len(symbols) == 5 * len(ffi.SYMBOLS) and len(traits) == len(ffi.SYMBOLS)
+def test_stage_table():
+    """What the bootstrap call registers: the five stages of every target (instantiate, prepare,
+    initialize, execute, record), each target command-buffer compatible (graph-safe)."""
+    symbols, traits = ffi._stage_table()
+    assert len(symbols) == 5 * len(ffi.SYMBOLS) and traits == [1] * len(ffi.SYMBOLS)
     for i, stages in enumerate(ffi.SYMBOLS.values()):
-        instantiate, prepare, initialize, execute, record = symbols[5 * i : 5 * i + 5]
-        assert (instantiate, prepare, execute) == (stages.instantiate, None, stages.execute)
-        graph = stages.command_buffer and registration != "direct"
-        assert traits[i] == int(graph)
-        assert record == (stages.record if graph and registration == "record" else None)
-        if graph and registration == "traced":
-            assert initialize == stages.initialize
+        expected = [stages.instantiate, None, stages.initialize, stages.execute, stages.record]
+        assert symbols[5 * i : 5 * i + 5] == expected
 
 
-def test_every_graph_safe_target_has_a_record_stage():
+def test_every_target_has_a_record_stage_but_those_of_many_tokens():
     """Inside XLA command buffers a target without a record stage is re-traced by stream capture
     whenever its buffers move: the per-call host cost the record stage exists to remove. The
     exceptions are the targets for many tokens, traced on purpose (ffi.READY_TRACED_TARGET,
-    ffi.TRITON_TRACED_TARGET)."""
+    ffi.TRITON_TRACED_TARGET): their initialize stage loads the module outside the capture, and
+    only they have one (XLA would run it at every execution of a record-stage target)."""
     traced = (ffi.READY_TRACED_TARGET, ffi.TRITON_TRACED_TARGET)
     for name, stages in ffi.SYMBOLS.items():
-        if name not in traced:
-            assert (stages.record is not None) == stages.command_buffer, name
-    for name in traced:
-        assert ffi.SYMBOLS[name].command_buffer and ffi.SYMBOLS[name].record is None, name
+        assert (stages.record is None) == (name in traced), name
+        assert (stages.initialize is not None) == (name in traced), name
 
 
-@pytest.mark.parametrize(
-    "protocol_build, cubin, smem, block",
-    [
-        (cute_manifest.FOLDED, "variant0f", 30000, 128),  # the default: the build ready mode takes too
-        (cute_manifest.GROUPED, "variant0", 40000, 256),  # the A/B switch: 128 threads per group
-    ],
-    ids=lambda v: v.tag if isinstance(v, cute_manifest.Build) else None,
-)
-def test_oneshot_lowers_to_our_custom_call(fake_cubins, monkeypatch, protocol_build, cubin, smem, block):
-    monkeypatch.setattr(cute_manifest, "PROTOCOL_BUILD", protocol_build)
+def test_oneshot_lowers_to_our_custom_call(fake_cubins):
     fn = functools.partial(
         backend.consume, eps=1e-6, out_eps=1e-5, has_delta=True, groups=2, xmoe_replicas=1, timeout_us=77
     )
     text = lower_for_cuda(fn, spec(2, 3, H), spec(3, H), spec(3, 1, H), spec(H), spec(H), spec(H))
     (call,) = custom_calls(text, ffi.ONESHOT_TARGET)
     for attribute in (
-        f'cubin = "{fake_cubins / (cubin + ".cubin")}"',
-        f'entry = "kernel_entry_{cubin.removeprefix("variant")}"',
-        f"smem = {smem} : i64",
-        f"block = {block} : i64",
+        f'cubin = "{fake_cubins / "variant0f.cubin"}"',  # the folded build, as in ready mode
+        'entry = "kernel_entry_0f"',
+        "smem = 30000 : i64",
+        "block = 128 : i64",
         "timeout_us = 77 : i32",
         "pdl = true",
         "eps = 9.99999997E-7 : f32",
@@ -268,7 +251,7 @@ def test_unsupported_reasons(fake_cubins):
     assert backend.unsupported_reason(Dims(2, 3, 1, H), has_delta=True, groups=2, xmoe_replicas=1) is None
     reason = backend.unsupported_reason(Dims(16, 3, 8, H), has_delta=True, groups=4, xmoe_replicas=0)
     assert "R=16 NB=8 has_delta=True groups=4 xmoe_replicas=0 twoshot=False" in reason
-    assert "python -m oproj_jax.cute.build --key 16,8,1,4,0,0 --builds f0" in reason
+    assert "python -m oproj_jax.cute.build --key 16,8,1,4,0,0`" in reason
     assert "compile-on-first-use is off" in reason
     # an equivalent `groups` (the same summation order at R = 2) finds the prebuilt cubin
     assert backend.unsupported_reason(Dims(2, 3, 1, H), has_delta=True, groups=4, xmoe_replicas=1) is None
@@ -281,7 +264,7 @@ def test_without_the_dsl_a_missing_variant_names_the_build_and_the_cute_extra(fa
         backend._kernel(backend.kernel_key(16, 8, has_delta=True, groups=4, xmoe_replicas=0, twoshot=False), 1, True)
     message = str(err.value)
     assert "R=16 NB=8 has_delta=True groups=4" in message and str(fake_cubins) in message
-    assert "python -m oproj_jax.cute.build --key 16,8,1,4,0,0 --builds f0" in message
+    assert "python -m oproj_jax.cute.build --key 16,8,1,4,0,0`" in message
     assert "installing the `cute` extra (pip install 'oproj-jax[cute]') enables compile-on-first-use" in message
 
 

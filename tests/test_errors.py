@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import oproj_jax
-from oproj_jax import api, testing
+from oproj_jax import api, contract, testing
 
 R, T, NB, H = 2, 3, 1, 16  # small and valid; every case below breaks exactly one thing
 bf16 = ml_dtypes.bfloat16
@@ -144,7 +144,7 @@ def test_valid_arguments_run():
 def test_has_delta_not_bool_check_arguments(value, error, texts):
     options = dict(VALID_OPTIONS, has_delta=value)
     del options["backend"]
-    assert_raises_naming(error, texts, lambda: api.check_arguments(*valid_arrays().values(), **options))
+    assert_raises_naming(error, texts, lambda: contract.check_arguments(*valid_arrays().values(), **options))
 
 
 @pytest.mark.parametrize(("value", "error", "texts"), [c[1:] for c in HAS_DELTA_CASES], ids=HAS_DELTA_IDS)
@@ -177,7 +177,7 @@ def test_kernel_backend_that_cannot_run_raises(name):
         assert reason, f"the {name} kernel cannot run off an NVIDIA GPU, yet reports no reason"
     if reason is None:
         options = {k: v for k, v in VALID_OPTIONS.items() if k != "backend"}
-        reason = module.unsupported_reason(api.Dims(R, T, NB, H), **options)
+        reason = module.unsupported_reason(contract.Dims(R, T, NB, H), **options)
     if reason is None:
         pytest.skip(f"backend={name!r} runs on {platform} at R={R} T={T} NB={NB} H={H}: nothing to refuse")
     arrays = valid_arrays()
@@ -309,7 +309,7 @@ DIMS_7168 = dict(R=16, T=1, NB=8, H=7168)
 def test_backend_limit_names_the_limit_and_who_takes_it(name, dims, texts):
     module = kernel_module(name)
     options = {k: v for k, v in VALID_OPTIONS.items() if k != "backend"}
-    reason = module.unsupported_reason(api.Dims(**dims), **options)
+    reason = module.unsupported_reason(contract.Dims(**dims), **options)
     assert reason, f"{name} takes {dims}"
     missing = [t for t in texts if t not in reason]
     assert not missing, f"{missing} not in {reason!r}"
@@ -323,6 +323,6 @@ def test_pallas_takes_any_rank_count(R):
     from oproj_jax.pallas import consumer as pallas_consumer
 
     options = {k: v for k, v in VALID_OPTIONS.items() if k != "backend"}
-    assert pallas_consumer.unsupported_reason(api.Dims(R, 1, 8, 7168), **options) is None
+    assert pallas_consumer.unsupported_reason(contract.Dims(R, 1, 8, 7168), **options) is None
     split = pallas_consumer.choose_split(1, 7168, interpret=False, R=R, NB=8)["split"]
     assert split == (7 if R + 1 + 8 <= pallas_consumer.MAX_BARRIERS else 1)

@@ -1,5 +1,6 @@
-"""The package as pip builds it: a platform wheel carrying the FFI library, the C++ sources and
-the cubins (when built), installable and importable away from the checkout.
+"""The package as pip builds it: a platform wheel carrying the FFI library, the C++ sources (the
+checkout's top-level ffi/, as oproj_jax/_ffi/) and the cubins (when built), installable,
+importable and able to rebuild its library away from the checkout.
 
 The wheel is built from a copy of the checkout (the build writes build/ and *.egg-info next to
 setup.py). `pip wheel . --no-deps` uses build isolation: pip installs setuptools, jaxlib==0.11.2
@@ -24,6 +25,8 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LIBRARY = "oproj_jax/_lib/liboproj_ffi.so"
 CUBIN_DIR = ROOT / "oproj_jax" / "cute" / "cubins"
+FFI_DIR = ROOT / "ffi"  # all the C++ of the project
+SHIPPED_FFI_DIR = "oproj_jax/_ffi"  # where the wheel carries it
 
 
 def checkout_copy(dest: pathlib.Path) -> pathlib.Path:
@@ -85,13 +88,11 @@ def test_wheel_is_platform_tagged_and_carries_the_library(wheel):
     assert platform_tag != "any" and platform_tag.startswith("linux"), wheel.name
     names = set(zipfile.ZipFile(wheel).namelist())
     assert LIBRARY in names
-    sources = {
-        p.relative_to(ROOT).as_posix()
-        for folder in ("oproj_jax/cute/csrc", "oproj_jax/triton/csrc")
-        for p in (ROOT / folder).iterdir()
-        if p.is_file()
-    }
+    sources = {f"{SHIPPED_FFI_DIR}/{p.name}" for p in FFI_DIR.iterdir() if p.suffix in (".cc", ".h")}
     assert sources and sources <= names, sorted(sources - names)
+    shipped = {n for n in names if n.startswith(f"{SHIPPED_FFI_DIR}/")}
+    assert shipped == sources, sorted(shipped ^ sources)  # nothing stale, nothing else
+    assert not any(n.startswith("ffi/") for n in names)  # the top-level ffi/ is not a package
     assert "oproj_jax/cute/ABI.md" in names
     if (CUBIN_DIR / "manifest.json").is_file():  # built in this checkout: shipped with it
         cubins = {f"oproj_jax/cute/cubins/{p.name}" for p in CUBIN_DIR.iterdir() if p.is_file()}
@@ -127,6 +128,49 @@ def test_installed_wheel_runs_away_from_the_checkout(wheel, tmp_path):
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "3.0"  # prefix 1 + two slots of 1
+
+
+@pytest.mark.slow
+def test_installed_wheel_rebuilds_its_library(wheel, tmp_path):
+    """`python -m oproj_jax.build --ffi-only` in an installed wheel (no checkout): it compiles the
+    sources the wheel carries (oproj_jax/_ffi/) against the jaxlib in use into oproj_jax/_lib/."""
+    from oproj_jax import _ffi_build
+
+    reason = _ffi_build.missing()
+    if reason:
+        pytest.skip(f"this machine cannot build the library: {reason}")
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile", "--target", str(target), str(wheel)],
+        check=True,
+        capture_output=True,
+    )
+    (target / LIBRARY).unlink()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPROJ_JAX_")}
+    env["PYTHONPATH"] = str(target)
+    build = [sys.executable, "-m", "oproj_jax.build", "--ffi-only"]
+    done = subprocess.run(build, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert str(target / LIBRARY) in done.stdout, done.stdout
+    script = (
+        "import ctypes\n"
+        "from oproj_jax import _ffi_build\n"
+        "assert _ffi_build.SOURCE_DIR == _ffi_build.PACKAGED_SOURCE_DIR, _ffi_build.SOURCE_DIR\n"
+        f"assert ctypes.CDLL({str(target / LIBRARY)!r}).OprojRegisterTargets\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_checkout_builds_from_the_top_level_ffi_sources():
+    """In the checkout the library is built from ffi/ (all the C++ of the project); setup.py
+    copies the sources into the wheel only, never into the checkout's package."""
+    from oproj_jax import _ffi_build
+
+    assert _ffi_build.SOURCE_DIR == FFI_DIR
+    assert _ffi_build.sources() == sorted(FFI_DIR.glob("*.cc"))
+    assert (FFI_DIR / "common.h") in _ffi_build.shipped_sources()
+    assert not (ROOT / SHIPPED_FFI_DIR).exists()
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from oproj_jax import configs, sharded
+from oproj_jax import abi, configs, sharded
 from oproj_jax.cute import backend, cache, ffi, peer
 from oproj_jax.cute import manifest as cute_manifest
 
@@ -31,17 +31,17 @@ def library(tmp_path_factory):
     return ffi.build_library(tmp_path_factory.mktemp("peer_lib"))
 
 
-def _entry(R, NB, has_delta, groups, reps, build):
+def _entry(R, NB, has_delta, groups, reps):
     key = cute_manifest.make_key(R, NB, has_delta, groups, reps, False)
-    tag = f"R{R}_NB{NB}_{int(has_delta)}_G{groups}_x{reps}_{build.tag}"
+    tag = f"R{R}_NB{NB}_{int(has_delta)}_G{groups}_x{reps}"
     return dict(
         key=key,
-        min_ctas=build.min_ctas,
-        fold=build.fold,
+        min_ctas=0,
+        fold=True,
         cubin=f"{tag}.cubin",
         entry=f"entry_{tag}",
         dynamic_smem_bytes=20000 + groups,
-        block=[128 if build.fold else 128 * groups, 1, 1],
+        block=[128, 1, 1],
         cluster=[7, 1, 1],
         params=[".u64"] * 10 + [".f32", ".f32", ".u32", ".u32", ".u64"],
     )
@@ -49,20 +49,19 @@ def _entry(R, NB, has_delta, groups, reps, build):
 
 @pytest.fixture
 def gpu_mesh_here(tmp_path, monkeypatch, library):
-    """A fake manifest (R = 2, 4, 8 and 16, both protocol builds, and the publish kernel), the library,
+    """A fake manifest (R = 2, 4, 8 and 16, folded builds, and the publish kernel), the library,
     and the CPU platform taken for CUDA: what mode="peer" checks before it lowers."""
     kernels = [
-        _entry(R, NB, d, g, x, b)
+        _entry(R, NB, d, g, x)
         for R in (2, 4, 8, 16)
         for NB, d in ((0, False), (8, True))
         for g in sorted({cute_manifest.effective_groups(R, g) for g in (1, 2, 4)})  # one entry per key
         for x in (0, 1)
-        for b in cute_manifest.BUILDS
     ]
     for e in kernels:
         (tmp_path / e["cubin"]).write_bytes(b"never opened by lowering")
     publish = dict(
-        cubin=cute_manifest.PUBLISH_CUBIN, entry="publish_entry", block=[128, 1, 1], params=peer.PUBLISH_PARAMS
+        cubin=cute_manifest.PUBLISH_CUBIN, entry="publish_entry", block=[128, 1, 1], params=abi.ptx(abi.PUBLISH)
     )
     (tmp_path / publish["cubin"]).write_bytes(b"nor this")
     manifest = dict(arch="sm_90a", cutlass_dsl="4.8.1", H=H, kernels=kernels, publish=publish)
@@ -125,8 +124,8 @@ def test_tp_consumer_lowers_to_one_peer_call_and_no_collective(gpu_mesh_here, R,
         f"timeout_us = {backend.DEFAULT_TIMEOUT_US} : i32",
         "has_side_effect = true",
         "pdl = true",
-        "block = 128 : i64",  # the folded build: protocol mode's too (manifest.PROTOCOL_BUILD)
-        f'entry = "entry_R{R}_NB0_0_G{cute_manifest.effective_groups(R, groups)}_x{reps}_f0"',
+        "block = 128 : i64",  # the folded build (manifest.FOLDED), as every call
+        f'entry = "entry_R{R}_NB0_0_G{cute_manifest.effective_groups(R, groups)}_x{reps}"',
         'publish_entry = "publish_entry"',
     ):
         assert attribute in call, attribute
@@ -139,9 +138,7 @@ def test_tp_consumer_lowers_to_one_peer_call_and_no_collective(gpu_mesh_here, R,
     assert f"tensor<{R}xi32>" in text.split("func.func private")[0], "status: one word per rank"
 
 
-def test_the_protocol_build_setting_and_options_reach_the_call(gpu_mesh_here, monkeypatch):
-    """manifest.PROTOCOL_BUILD picks the cubin of an A/B run (bench/tp.py --protocol-build m3)."""
-    monkeypatch.setattr(cute_manifest, "PROTOCOL_BUILD", cute_manifest.GROUPED_BOUNDED)
+def test_the_options_reach_the_call(gpu_mesh_here):
     mesh = _mesh((2,), ("tp",))
     options = peer.PeerOptions(timeout_us=1234, skip_publish_rank=1)
 
@@ -149,7 +146,7 @@ def test_the_protocol_build_setting_and_options_reach_the_call(gpu_mesh_here, mo
         return sharded.tp_consumer(*args, mesh=mesh, mode="peer", groups=4, peer_options=options)  # backend auto
 
     (call,) = _peer_calls(_lower(fn, *_consumer_args(2, 65, 8)))
-    assert 'entry = "entry_R2_NB8_1_G2_x0_m3"' in call and "block = 256 : i64" in call  # groups 4 sums as 2 at R=2
+    assert 'entry = "entry_R2_NB8_1_G2_x0"' in call and "block = 128 : i64" in call  # groups 4 sums as 2 at R=2
     assert "timeout_us = 1234 : i32" in call and "skip_rank = 1 : i32" in call
 
 
@@ -244,7 +241,7 @@ def test_unsupported_shapes_raise(gpu_mesh_here):
 
 
 def configs_dims(R):
-    from oproj_jax.api import Dims
+    from oproj_jax.contract import Dims
 
     return Dims(R, 1, 8, H)
 
@@ -291,24 +288,16 @@ def test_check_status():
 
 def test_the_peer_target_is_graph_safe_with_a_record_stage():
     """No host step counter: XLA may put the call into a command buffer, through its record stage
-    (graph nodes updated in place); the initialize stage (allocation, modules) serves only the
-    "traced" registration, where XLA stream-captures execute."""
-    stages = ffi.SYMBOLS[ffi.PEER_TARGET]
-    assert stages == ffi.Stages(
-        "OprojPeerInitialize", "OprojPeerExecute", "OprojPeerRecord", True, "OprojPeerInstantiate"
+    (graph nodes updated in place); no initialize stage (the record stage loads the modules
+    itself before it asks XLA to stream-capture execute)."""
+    assert ffi.SYMBOLS[ffi.PEER_TARGET] == ffi.Stages(
+        "OprojPeerExecute", "OprojPeerRecord", instantiate="OprojPeerInstantiate"
     )
-    names = list(ffi.SYMBOLS)
-    i = names.index(ffi.PEER_TARGET)
-    for registration, (initialize, record, trait) in {
-        "record": (None, "OprojPeerRecord", 1),
-        "traced": ("OprojPeerInitialize", None, 1),
-        "direct": (None, None, 0),
-    }.items():
-        symbols, traits = ffi._stage_table(registration)
-        # instantiate: the per-call-site state (whether its first execution met the other processes)
-        expected = ["OprojPeerInstantiate", None, initialize, "OprojPeerExecute", record]
-        assert symbols[5 * i : 5 * i + 5] == expected, registration
-        assert traits[i] == trait, registration
+    i = list(ffi.SYMBOLS).index(ffi.PEER_TARGET)
+    symbols, traits = ffi._stage_table()
+    # instantiate: the per-call-site state (whether its first execution met the other processes)
+    assert symbols[5 * i : 5 * i + 5] == ["OprojPeerInstantiate", None, None, "OprojPeerExecute", "OprojPeerRecord"]
+    assert traits[i] == 1
 
 
 def test_check_status_names_each_code():
@@ -322,7 +311,7 @@ def test_check_status_names_each_code():
 
 def test_library_exports_reset_and_it_is_a_no_op_without_groups(library, monkeypatch):
     lib = ctypes.CDLL(str(library))
-    assert lib.OprojPeerExecute and lib.OprojPeerInitialize and lib.OprojPeerRecord and lib.OprojPeerReset
+    assert lib.OprojPeerExecute and lib.OprojPeerInstantiate and lib.OprojPeerRecord and lib.OprojPeerReset
     monkeypatch.setenv("OPROJ_JAX_FFI_LIBRARY", str(library))
     monkeypatch.setattr(ffi, "_library", None)  # load the temporary build
     assert peer.group_count() == 0

@@ -1,6 +1,6 @@
 """mode="peer"'s protocol on the CPU: a numpy model of what the GPUs do, run under random schedules.
 
-The model follows oproj_jax/cute/csrc/peer_ffi.cc, cute/publish.py and the consumer kernel at
+The model follows ffi/cute_peer.cc, cute/publish.py and the consumer kernel at
 the granularity the hardware guarantees, the 16-byte fragment (four 32-bit words): ONE
 mailbox [R, T, H] per rank, armed with the sentinel word 0x80000000, no step counter. Each
 rank's stream runs publish(k) then consume(k) for k = 0, 1, ...:
@@ -44,7 +44,7 @@ SENTINEL = np.uint32(0x80000000)
 H = 64  # the model works at any H; the reference consumer too
 T = 2
 FRAGMENTS = T * H // 8  # 16-byte fragments per slot
-EMPTY_SLOT, UNARMED = 1, 4  # oproj_jax.cute.peer.STATUS_EMPTY_SLOT, STATUS_UNARMED
+EMPTY_SLOT, UNARMED = 1, 4  # oproj_jax.cute.peer.STATUS_MAILBOX, STATUS_UNARMED
 
 
 def _sanitized(bits16: np.ndarray) -> np.ndarray:  # -0.0 (0x8000) -> +0.0, as the publish kernel

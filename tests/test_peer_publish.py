@@ -9,9 +9,9 @@ import tempfile
 
 import pytest
 
+from oproj_jax import abi
 from oproj_jax.cute import build
 from oproj_jax.cute import manifest as cute_manifest
-from oproj_jax.cute import peer
 
 pytest.importorskip("cutlass", reason="the CuTe DSL (nvidia-cutlass-dsl) builds the kernel")
 
@@ -35,13 +35,14 @@ def ptx():
 
 
 def test_entry_follows_the_abi():
-    from oproj_jax.cute import publish
 
     entry = build.compile_publish()
     assert entry["cubin"] == cute_manifest.PUBLISH_CUBIN and entry["block"] == [128, 1, 1]
     assert entry["params"] == [".u64"] * 17 + [".u32", ".u64", ".u32", ".u32", ".u64"]
-    assert entry["params"] == publish.PUBLISH_PARAMS == peer.PUBLISH_PARAMS  # what peer.py checks the manifest for
-    assert publish.STATUS_UNARMED == peer.STATUS_UNARMED and publish.STATUS_UNARMED & peer.STATUS_EMPTY_SLOT == 0
+    assert entry["params"] == abi.ptx(abi.PUBLISH)  # what peer.py checks the manifest for
+    # the status bits are distinct, so the peer mode's OR of the two kernels' words keeps each
+    bits = [abi.STATUS_MAILBOX, abi.STATUS_RECV, abi.STATUS_UNARMED, abi.STATUS_REFUSED, abi.STATUS_CLOSED]
+    assert sum(bits) == 31 and all(b & (b - 1) == 0 for b in bits)
     assert entry["cubin_bytes"][:4] == b"\x7fELF" and entry["entry"].encode() in entry["cubin_bytes"]
 
 

@@ -9,12 +9,14 @@ argument errors. The GPU runs are tests/test_triton_gpu.py.
   * sm_90: triton.compile with GPUTarget("cuda", 90, 32) gives PTX and a cubin for every kernel
     of the plans the launchers run, with no FMA and `.rn` on every f32 add and mul (contraction
     off: the prefix is adds only, and JAX's and PyTorch's launches emit the same arithmetic).
-  * JAX: backend.launch(..., compute_capability=90) under jax.jit lowers for CUDA, in both
-    lowerings (triton_call's custom call, and the FFI target), jax_triton compiling the PTX for
-    sm_90 here, the prefix operand aliased to output 0 (and donated); the CUDA plugin's
-    kernel-call objects, absent from a CPU jaxlib, are stand-ins. Under vmap: a loop of calls.
+  * JAX: backend.launch(..., compute_capability=90) under jax.jit lowers for CUDA, through the
+    package's FFI target and through jax_triton (jax_triton=True: its custom call, jax_triton
+    compiling the PTX for sm_90 here; the CUDA plugin's kernel-call objects, absent from a CPU
+    jaxlib, are stand-ins), the prefix operand aliased to output 0 (and donated). Under vmap: a
+    loop of calls.
   * the plan (the default rule, shapes, refusals), the PyTorch entry's argument errors,
-    testing.spread_tokens, and benchmarks/triton_gpu.py as far as it runs without a GPU.
+    testing.spread_tokens, benchmarks/triton_gpu.py as far as it runs without a GPU, and
+    benchmarks/triton_record.py's merge.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ from oproj_jax.triton import plan
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ARGS = ("mailbox", "prefix", "blocks", "norm", "query", "out_norm")
 EPS = dict(eps=0.5, out_eps=0.25)  # large against the sources' mean squares: a swapped epsilon shows
-KINDS = ("row-w8", "tile-256-w4", "split-256-w4", "sync-256-w4")  # one variant of each kernel
+# every kernel path: row, tile, sync holding its blocks (the default at T <= 8), sync reading them again
+KINDS = ("row-w16", "tile-512-w8", None, "sync-1024-w4-reload-r64")
 
 
 # ---- interpreter ------------------------------------------------------------------------------
@@ -91,7 +94,7 @@ class Case:
 
 def _cases() -> list[Case]:
     small = [
-        Config(16, 3, 8, H=512),  # the production order (groups 4) with C = 2 chunks in split-256, sync-256
+        Config(16, 3, 8, H=512),  # the production order (groups 4) with C = 2 chunks in sync-256-w1
         Config(16, 3, 8, groups=1, H=256),
         Config(16, 2, 3, groups=2, H=256, xmoe_replicas=2),
         Config(16, 3, 0, groups=3, has_delta=False, H=256),
@@ -103,11 +106,14 @@ def _cases() -> list[Case]:
     cases += [Case(c, v, _nan_inf) for c in nonfinite for v in KINDS]
     cases += [Case(Config(2, 2, 0, groups=1, H=256), v, _inf_prefix) for v in KINDS]
     cases += [Case(Config(16, 3, 0, groups=3, has_delta=False, H=512), v, _negative_zeros) for v in KINDS]
-    cases += [Case(Config(2, 3, 0, groups=1, has_delta=False, xmoe_replicas=2, H=256), "row-w8", _negative_zero_output)]
-    # the production H: the default, chunks of several tiles (the last one partial), and sync
-    # with 14 chunks (its records added over a span of 16)
     cases += [
-        Case(Config(16, 2, 8, H=7168), v) for v in (None, "row-w8", "tile-512-w8", "split-2048-w8", "sync-512-w4")
+        Case(Config(2, 3, 0, groups=1, has_delta=False, xmoe_replicas=2, H=256), "row-w16", _negative_zero_output)
+    ]
+    # the production H: the default (28 chunks, their records added over a span of 32), 14 tiles, 4
+    # chunks (the last one partial), 7 chunks reading the blocks again
+    cases += [
+        Case(Config(16, 2, 8, H=7168), v)
+        for v in (None, "row-w16", "tile-512-w8", "sync-2048-w8", "sync-1024-w4-reload-r64")
     ]
     return cases
 
@@ -225,13 +231,12 @@ def test_kernel_module_imports_neither_jax_nor_torch():
 PRODUCTION = dict(eps=1e-6, out_eps=1e-6, has_delta=True, groups=4, xmoe_replicas=1)
 FIRST_LAYER = dict(eps=1e-6, out_eps=1e-6, has_delta=False, groups=3, xmoe_replicas=0)
 PLANS = {  # every kernel as the launchers run it, at R=16 NB=8 H=7168 and with the other branches
-    "T1-default": plan.make(16, 1, 8, 7168, **PRODUCTION),
-    "T4096-default": plan.make(16, 4096, 8, 7168, **PRODUCTION),
-    "T64-tile": plan.make(16, 64, 8, 7168, **PRODUCTION, variant="tile-256-w4"),
-    "T1-sync": plan.make(16, 1, 8, 7168, **PRODUCTION, variant="sync-256-w4"),
+    **{f"T{T}-default": plan.make(16, T, 8, 7168, **PRODUCTION) for T in (1, 64, 4096)},
+    "T64-tile": plan.make(16, 64, 8, 7168, **PRODUCTION, variant="tile-512-w8"),
+    "T64-row": plan.make(16, 64, 8, 7168, **PRODUCTION, variant="row-w16"),
     **{
         f"NB0-{v}": plan.make(3, 2, 0, 7168, **FIRST_LAYER, variant=v)
-        for v in ("row-w8", "tile-256-w4", "split-512-w4", "sync-512-w4")
+        for v in ("row-w16", "tile-512-w8", "sync-256-w1", "sync-1024-w4-reload-r64")
     },
 }
 
@@ -257,15 +262,15 @@ def _compile_sm90(launch: plan.Launch):
 @pytest.mark.parametrize("name", PLANS)
 def test_kernels_compile_for_sm90_without_fma(name, tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    for launch in PLANS[name].launches:
-        compiled = _compile_sm90(launch)
-        ptx = compiled.asm["ptx"]
-        assert ".target sm_90" in ptx and f".entry {launch.kernel}" in ptx
-        assert compiled.asm["cubin"][:4] == b"\x7fELF", "no cubin"
-        assert not re.search(r"\bfma\.", ptx), f"{launch.kernel}: an FMA in the PTX"
-        bare = re.findall(r"\b(?:add|sub|mul)\.f32\b", ptx)
-        assert not bare, f"{launch.kernel}: {len(bare)} f32 add/mul without .rn (ptxas may contract them)"
-        assert re.search(r"\badd\.rn\.f32\b", ptx)
+    launch = PLANS[name].launch
+    compiled = _compile_sm90(launch)
+    ptx = compiled.asm["ptx"]
+    assert ".target sm_90" in ptx and f".entry {launch.kernel}" in ptx
+    assert compiled.asm["cubin"][:4] == b"\x7fELF", "no cubin"
+    assert not re.search(r"\bfma\.", ptx), f"{launch.kernel}: an FMA in the PTX"
+    bare = re.findall(r"\b(?:add|sub|mul)\.f32\b", ptx)
+    assert not bare, f"{launch.kernel}: {len(bare)} f32 add/mul without .rn (ptxas may contract them)"
+    assert re.search(r"\badd\.rn\.f32\b", ptx)
 
 
 def _registers(launch: plan.Launch, folder: pathlib.Path) -> tuple[int, int]:
@@ -283,12 +288,12 @@ def _registers(launch: plan.Launch, folder: pathlib.Path) -> tuple[int, int]:
 
 
 def test_register_cap_reaches_ptxas(tmp_path, monkeypatch):
-    """A variant with a register cap is compiled with it (.maxnreg) and ptxas fits the kernel
-    in it without spilling; the same kernel uncapped takes more registers (the cap is what buys
-    the occupancy)."""
+    """The configuration with a register cap (the default at T = 4096) is compiled with it
+    (.maxnreg) and ptxas fits the kernel in it without spilling; the same launch uncapped takes
+    more registers (the cap is what buys the occupancy)."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    capped = plan.make(16, 4096, 8, 7168, **PRODUCTION, variant="sync-1024-w4-reload-r64").launches[0]
-    uncapped = plan.make(16, 4096, 8, 7168, **PRODUCTION, variant="sync-1024-w4-reload").launches[0]
+    capped = PLANS["T4096-default"].launch
+    uncapped = dataclasses.replace(capped, max_registers=None)
     assert capped.options()["maxnreg"] == 64 and "maxnreg" not in uncapped.options()
     assert dict(capped.constexprs)["RELOAD"] is True
     assert _registers(capped, tmp_path) == (64, 0)
@@ -301,8 +306,8 @@ def test_sync_kernel_barriers_as_compiled(tmp_path, monkeypatch):
     predicated, at GPU scope; a counter that was not zero at launch and the poll bound end in a
     trap. Its stages (the interpreter's launches) have no barrier."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    whole = PLANS["T1-sync"]
-    ptx = _compile_sm90(whole.launches[0]).asm["ptx"]
+    whole = PLANS["T1-default"]
+    ptx = _compile_sm90(whole.launch).asm["ptx"]
     assert len(re.findall(r"@%p\d+ atom\.global\.gpu\.acq_rel\.add\.u32", ptx)) == 2, "the arrivals"
     assert len(re.findall(r"@%p\d+ atom\.global\.gpu\.release\.exch\.b32", ptx)) == 2, "the resets"
     # Triton emits the polls (atomic adds of 0) as acquire loads.
@@ -318,8 +323,8 @@ def test_sync_kernel_with_pdl_waits_before_reading(tmp_path, monkeypatch):
     kernel's first instructions wait for the grid ahead (griddepcontrol.wait), before any load;
     the interpreter's stages never use it."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    with_pdl = plan.make(16, 1, 8, 7168, **PRODUCTION, variant="sync-256-w4", pdl=True)
-    (launch,) = with_pdl.launches
+    with_pdl = plan.make(16, 1, 8, 7168, **PRODUCTION, pdl=True)
+    launch = with_pdl.launch
     assert launch.pdl and launch.options()["launch_pdl"] is True and dict(launch.constexprs)["PDL"] is True
     compiled = _compile_sm90(launch)
     assert compiled.metadata.launch_pdl
@@ -327,7 +332,7 @@ def test_sync_kernel_with_pdl_waits_before_reading(tmp_path, monkeypatch):
     wait = body.index("griddepcontrol.wait")
     assert wait < body.index("ld.global") and wait < body.index("griddepcontrol.launch_dependents")
     assert all(not s.pdl and dict(s.constexprs)["PDL"] is False for s in with_pdl.stages())
-    row = plan.make(16, 1, 8, 7168, **PRODUCTION, variant="row-w16", pdl=True).launches[0]
+    row = plan.make(16, 1, 8, 7168, **PRODUCTION, variant="row-w16", pdl=True).launch
     assert not row.pdl and "launch_pdl" not in row.options(), "only the sync kernel waits for the grid ahead"
 
 
@@ -376,7 +381,7 @@ def cuda_triton_stand_ins(monkeypatch, tmp_path):
     return compiled
 
 
-def _lowered(variant, T, *, lowering="triton_call", vmap=False):
+def _lowered(variant, T, *, jax_triton=False, vmap=False):
     from oproj_jax.triton import backend
 
     R, NB, H = 16, 8, 7168
@@ -386,49 +391,40 @@ def _lowered(variant, T, *, lowering="triton_call", vmap=False):
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
 
     def step(*arrays):
-        return backend.launch(*arrays, **PRODUCTION, variant=variant, compute_capability=90, lowering=lowering)
+        return backend.launch(*arrays, **PRODUCTION, variant=variant, compute_capability=90, jax_triton=jax_triton)
 
     if vmap:
         step = jax.vmap(step, in_axes=(0, 0, None, None, None, None))
     return jax.jit(step, donate_argnums=1).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-TARGETS = {"triton_call": "triton_kernel_call", "ffi": "triton_kernel_call_ffi"}
+JAX_TRITON_TARGET = "triton_kernel_call"  # jax-triton 0.3.1's (legacy) custom call
 ALIASED = "output_operand_aliases = [#stablehlo.output_operand_alias<output_tuple_indices = [0], operand_index = 1,"
 
 
-def _custom_calls(text: str, lowering: str) -> list[str]:
-    return re.findall(rf"stablehlo\.custom_call @{TARGETS[lowering]}\(.*", text)
+def _jax_triton_calls(text: str) -> list[str]:
+    return re.findall(rf"stablehlo\.custom_call @{JAX_TRITON_TARGET}\(.*", text)
 
 
-@pytest.mark.parametrize("lowering", TARGETS)
-@pytest.mark.parametrize(
-    ("variant", "T", "kernels"),
-    [(None, 1, 1), ("split-256-w4", 1, 2), ("row-w8", 64, 1), ("tile-256-w4", 8, 1), ("sync-512-w4", 5, 1)],
-)
-def test_jax_call_lowers_for_cuda_with_the_prefix_aliased(cuda_triton_stand_ins, variant, T, kernels, lowering):
-    text = _lowered(variant, T, lowering=lowering)
-    calls = _custom_calls(text, lowering)
-    assert len(calls) == kernels, text[:3000]
-    assert ALIASED in calls[0], "the prefix (operand 1) is not aliased to output 0"
-    assert all("output_operand_aliases" not in call for call in calls[1:])
+@pytest.mark.parametrize(("variant", "T"), [(None, 1), ("row-w16", 64), ("tile-512-w8", 8), ("sync-2048-w8", 5)])
+def test_jax_triton_call_lowers_for_cuda_with_the_prefix_aliased(cuda_triton_stand_ins, variant, T):
+    """jax_triton=True: one triton_call per call, jax_triton compiling the plan's kernel for sm_90."""
+    text = _lowered(variant, T, jax_triton=True)
+    (call,) = _jax_triton_calls(text)
+    assert ALIASED in call, "the prefix (operand 1) is not aliased to output 0"
     assert re.search(r"%arg1: tensor<\d+x7168xbf16> \{tf\.aliasing_output = 0", text), "the donated prefix"
-    if lowering == "ffi":  # the typed FFI, the kernel-call proto as its `opaque` attribute
-        assert all('mhlo.backend_config = {opaque = "' in call for call in calls)
-    assert len(cuda_triton_stand_ins) == kernels
-    for kernel in cuda_triton_stand_ins:
-        assert kernel["compute_capability"] == 90 and ".target sm_90" in kernel["ptx"], kernel["name"]
-        zeroed = [size for size, _ in kernel["params"]]
-        # sync: the kernel call zeroes the arrival counters (T x 2 int32, the last array) before
-        # each launch; nothing else is zeroed
-        counters = plan.make(16, T, 8, 7168, **PRODUCTION, variant=variant).arrivals_shape
-        assert zeroed == [0] * (len(zeroed) - 1) + [4 * math.prod(counters) if counters else 0]
+    (kernel,) = cuda_triton_stand_ins
+    assert kernel["compute_capability"] == 90 and ".target sm_90" in kernel["ptx"], kernel["name"]
+    zeroed = [size for size, _ in kernel["params"]]
+    # sync: the kernel call zeroes the arrival counters (T x 2 int32, the last array) before
+    # each launch; nothing else is zeroed
+    counters = plan.make(16, T, 8, 7168, **PRODUCTION, variant=variant).arrivals_shape
+    assert zeroed == [0] * (len(zeroed) - 1) + [4 * math.prod(counters) if counters else 0]
 
 
-@pytest.mark.parametrize("lowering", TARGETS)
-def test_jax_call_under_vmap_runs_once_per_element(cuda_triton_stand_ins, lowering):
-    text = _lowered("row-w8", 3, lowering=lowering, vmap=True)
-    assert "stablehlo.while" in text and len(_custom_calls(text, lowering)) == 1
+def test_jax_call_under_vmap_runs_once_per_element(cuda_triton_stand_ins):
+    text = _lowered("row-w16", 3, jax_triton=True, vmap=True)
+    assert "stablehlo.while" in text and len(_jax_triton_calls(text)) == 1
 
 
 @pytest.fixture
@@ -459,66 +455,122 @@ def _attribute(config: str, name: str) -> str:
 @pytest.mark.parametrize(
     ("variant", "T", "target"),
     [
-        ("sync-512-w4", 5, "oproj_triton_launch"),
-        ("split-256-w4", 1, "oproj_triton_launch"),
-        ("row-w8", 64, "oproj_triton_launch"),
+        (None, 5, "oproj_triton_launch"),
+        ("tile-512-w8", 3, "oproj_triton_launch"),
+        ("row-w16", 64, "oproj_triton_launch"),
         ("row-w16", 65, "oproj_triton_launch_traced"),
+        (None, 80, "oproj_triton_launch_traced"),
     ],
 )
 def test_library_lowering_names_a_stored_cubin_and_its_parameters(library_cache, variant, T, target):
-    """lowering="library": each launch a call of the package's target (traced above
-    library.RECORD_MAX_T tokens) naming a cubin stored under its sha256, the kernel's pointers
-    in Triton's order (operands, results, then Triton's two null scratch pointers), the launch
-    shape of the plan; the sync counters start from a zeros operand aliased to them; the sync
-    kernel launched with PDL."""
-    text = _lowered(variant, T, lowering="library")
+    """The default launch: a call of the package's target (traced above library.RECORD_MAX_T
+    tokens) naming a cubin stored under its sha256, the kernel's pointers in Triton's order
+    (operands, results, then Triton's two null scratch pointers), the launch shape of the plan;
+    the sync counters start from a zeros operand aliased to them; the sync kernel launched with
+    PDL."""
+    text = _lowered(variant, T)
     calls = LIBRARY_CALL.findall(text)
-    launches = plan.make(16, T, 8, 7168, **PRODUCTION, variant=variant).launches
-    assert len(calls) == len(launches), text[:3000]
+    launch = plan.make(16, T, 8, 7168, **PRODUCTION, variant=variant).launch
+    assert len(calls) == 1, text[:3000]
     assert re.search(r"%arg1: tensor<\d+x7168xbf16> \{tf\.aliasing_output = 0", text), "the donated prefix"
-    for (name, operands, config), launch in zip(calls, launches):
-        assert name == target
-        dense = lambda key: [int(v) for v in _attribute(config, key)[0].split(",") if v.strip()]
-        path = pathlib.Path(_attribute(config, "cubin")[1])
-        image = path.read_bytes()
-        assert path.parent == library_cache and hashlib.sha256(image).hexdigest()[:24] in path.name
-        assert image[:4] == b"\x7fELF", "a cubin"
-        assert _attribute(config, "entry")[1] == launch.kernel
-        assert int(_attribute(config, "block")[2]) == 32 * launch.num_warps
-        assert dense("grid") == [*launch.grid, 1, 1][:3]
-        n_in = operands.count("%")
-        zeroed = launch.kernel == "sync_kernel"
-        n_arrays = n_in - zeroed
-        params = dense("params")
-        assert params[:n_arrays] == list(range(n_arrays)) and params[-2:] == [-1, -1], params
-        results = params[n_arrays:-2]
-        assert results == list(range(n_in, n_in + len(results))), params
-        # PDL (sm_90 here) for the sync kernel, the one that waits for the grid ahead
-        assert re.search(r"\bpdl = (true|false)", config).group(1) == ("true" if zeroed else "false")
-        if zeroed:  # the counters: the last result, read in place from the zeros operand
-            assert dense("inplace") == [n_arrays, len(results) - 1]
-            assert f"output_tuple_indices = [{len(results) - 1}], operand_index = {n_arrays}," in text
-        else:
-            assert dense("inplace") == []
+    ((name, operands, config),) = calls
+    assert name == target
+    dense = lambda key: [int(v) for v in _attribute(config, key)[0].split(",") if v.strip()]
+    path = pathlib.Path(_attribute(config, "cubin")[1])
+    image = path.read_bytes()
+    assert path.parent == library_cache and hashlib.sha256(image).hexdigest()[:24] in path.name
+    assert image[:4] == b"\x7fELF", "a cubin"
+    assert _attribute(config, "entry")[1] == launch.kernel
+    assert int(_attribute(config, "block")[2]) == 32 * launch.num_warps
+    assert dense("grid") == [*launch.grid, 1, 1][:3]
+    n_in = operands.count("%")
+    zeroed = launch.kernel == "sync_kernel"
+    n_arrays = n_in - zeroed
+    params = dense("params")
+    assert params[:n_arrays] == list(range(n_arrays)) and params[-2:] == [-1, -1], params
+    results = params[n_arrays:-2]
+    assert results == list(range(n_in, n_in + len(results))), params
+    # PDL (sm_90 here) for the sync kernel, the one that waits for the grid ahead
+    assert re.search(r"\bpdl = (true|false)", config).group(1) == ("true" if zeroed else "false")
+    if zeroed:  # the counters: the last result, read in place from the zeros operand
+        assert dense("inplace") == [n_arrays, len(results) - 1]
+        assert f"output_tuple_indices = [{len(results) - 1}], operand_index = {n_arrays}," in text
+    else:
+        assert dense("inplace") == []
 
 
 def test_library_lowering_compiles_each_kernel_once(library_cache):
-    """Five token counts of the sync kernel (T is not a constant of it): one cubin."""
+    """Five token counts of the sync kernel (T is not a constant of it): one cubin (and no
+    temporary file left)."""
     for T in (1, 2, 3, 5, 8):
-        _lowered("sync-512-w4", T, lowering="library")
-    assert [p.name.split("-")[0] for p in library_cache.iterdir()] == ["sync_kernel"]
+        _lowered(None, T)
+    stored = [p.name for p in library_cache.iterdir() if not p.name.endswith(".lock")]
+    assert [name.split("-")[0] for name in stored] == ["sync_kernel"] and stored[0].endswith(".cubin"), stored
 
 
-def test_unknown_lowering_is_named():
+def test_library_cache_dir_follows_platformdirs_unless_overridden(monkeypatch, tmp_path):
+    """$OPROJ_JAX_CACHE_DIR/triton; unset or empty, platformdirs' user cache directory:
+    $XDG_CACHE_HOME/oproj_jax/triton, else ~/.cache/oproj_jax/triton (Linux)."""
+    from oproj_jax.triton import library
+
+    monkeypatch.setenv("OPROJ_JAX_CACHE_DIR", str(tmp_path / "mine"))
+    assert library.cache_dir() == tmp_path / "mine" / "triton"
+    monkeypatch.setenv("OPROJ_JAX_CACHE_DIR", "")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert library.cache_dir() == tmp_path / "xdg" / "oproj_jax" / "triton"
+    monkeypatch.delenv("OPROJ_JAX_CACHE_DIR")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    if sys.platform == "linux":
+        assert library.cache_dir() == tmp_path / "home" / ".cache" / "oproj_jax" / "triton"
+
+
+_HOLD_LOCK = (
+    "import sys, filelock; l = filelock.FileLock(sys.argv[1]); l.acquire(); print('held', flush=True); sys.stdin.read()"
+)
+
+
+def test_library_cache_lock_held_past_the_timeout_is_a_clear_error(library_cache, monkeypatch):
+    """A cubin not yet stored whose lock another process holds: the lowering waits
+    library.LOCK_TIMEOUT_S (here 0.2 s), then raises a TimeoutError naming the lock file and
+    what to do, and stores nothing; once the lock is free the same lowering stores the cubin."""
+    from oproj_jax.triton import library
+
+    _lowered("row-w16", 1)
+    (cubin,) = library_cache.glob("*.cubin")
+    cubin.unlink()
+    lock = cubin.with_suffix(".lock")
+    library.compile_launch.cache_clear()
+    monkeypatch.setattr(library, "LOCK_TIMEOUT_S", 0.2)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_LOCK, str(lock)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(TimeoutError) as err:
+            _lowered("row-w16", 2)  # T = 2: not a lowering JAX has cached
+    finally:
+        holder.stdin.close()  # the child exits, releasing the lock
+        holder.wait(timeout=30)
+    message = str(err.value)
+    assert str(lock) in message and f"storing the Triton cubin {cubin.name}" in message, message
+    assert "another process holds it" in message and f"delete {lock}" in message, message
+    assert not cubin.exists()
+    library.compile_launch.cache_clear()
+    _lowered("row-w16", 3)
+    assert cubin.is_file()
+
+
+def test_jax_triton_launch_refuses_pdl():
     from oproj_jax.triton import backend
 
     arrays = [jnp.zeros(s, jnp.bfloat16) for s in [(1, 1, 16), (1, 16), (1, 0, 16), (16,), (16,), (16,)]]
-    with pytest.raises(ValueError, match=r"lowering: expected one of \['ffi', 'library', 'triton_call'\], got 'xla'"):
-        backend.launch(*arrays, **PRODUCTION, lowering="xla")
+    with pytest.raises(ValueError, match=r"pdl: programmatic dependent launch needs the package's launch target"):
+        backend.launch(*arrays, **PRODUCTION, jax_triton=True, pdl=True)
 
 
 def test_unavailable_reasons_name_what_is_missing():
-    """No CPU path; the default lowering needs the package's FFI library, the jaxlib ones the CUDA
+    """No CPU path; the default launch needs the package's FFI library, jax_triton=True the CUDA
     plugin's Triton kernel call."""
     from jaxlib import gpu_triton
 
@@ -526,14 +578,12 @@ def test_unavailable_reasons_name_what_is_missing():
     from oproj_jax.triton import backend
 
     assert "no CPU or interpret path" in backend.unavailable_reason("cpu")
-    assert backend.DEFAULT_LOWERING == "library"
-    assert backend.lowering_reason("library") == (
+    assert backend.launch_reason() == (
         ffi.unavailable_reason()
-        and f"lowering 'library' launches through the package's FFI library: {ffi.unavailable_reason()}"
+        and f"the Triton kernels launch through the package's FFI library: {ffi.unavailable_reason()}"
     )
     if not hasattr(gpu_triton, "TritonKernelCall"):
-        for lowering in ("ffi", "triton_call"):
-            assert "JAX CUDA plugin" in backend.lowering_reason(lowering)
+        assert "JAX CUDA plugin" in backend.launch_reason(jax_triton=True)
 
 
 # ---- the plan ---------------------------------------------------------------------------------
@@ -550,54 +600,55 @@ def test_default_rule_by_tokens():
         "sync-1024-w4-reload-r64",
         "sync-1024-w4-reload-r64",
     ]
-    # sync-256-w1 would run 64 chunks: the first wider sync variant that fits, 32 chunks of 512
+    # sync-256-w1 would run 64 chunks: the first wider sync configuration that fits, 32 chunks of 512
     assert plan.default_variant(1, 16384) == "sync-512-w4"
     assert plan.default_variant(1, 16896) == "sync-1024-w4"  # 33 chunks of 512: too many
-    assert plan.default_variant(1, 65537) == plan.WIDE_ROW  # no sync variant fits, nor a row in registers
-    assert plan.default_variant(512, 65537) == plan.WIDE_ROW  # no sync variant fits, nor a row in registers
+    assert plan.default_variant(1, 65537) == plan.WIDE_ROW.name  # no sync configuration fits, nor a row in registers
+    assert plan.default_variant(512, 65537) == plan.WIDE_ROW.name
     assert plan.default_variant(4096, 32768) == "sync-1024-w4-reload-r64"  # 32 chunks
     assert plan.default_variant(4096, 32769) == "sync-2048-w8"  # 33 chunks of 1024: the wider one
-    assert plan.default_variant(65536, 7168) == "row-w16"  # more tokens than a sync grid takes
-    for T in (1, 64, 512, 4096, 65536):  # every default is a variant the plan accepts at that T and H
+    assert plan.default_variant(65536, 7168) == plan.ROW.name == "row-w16"  # more tokens than a sync grid takes
+    for T in (1, 64, 512, 4096, 65536):  # every default is a configuration the plan accepts at that T and H
         for H in (256, 7168, 16384, 16896, 32768):
             plan.make(16, T, 8, H, **PRODUCTION, variant=plan.default_variant(T, H))
     assert all(plan.VARIANTS[name].name == name for name in plan.VARIANTS)
+    # every configuration is one the rule takes at some shape
+    taken = {plan.default_variant(T, H) for T in (1, 64, 512, 65536) for H in (7168, 16384, 16896, 32769, 65537)}
+    assert taken == set(plan.VARIANTS)
 
 
 def test_plan_shapes():
-    split = plan.make(16, 3, 8, 7168, **PRODUCTION, variant="split-512-w4")
-    assert [launch.kernel for launch in split.launches] == ["split_sum_kernel", "split_out_kernel"]
-    assert {launch.grid for launch in split.launches} == {(3, 14)}
-    assert split.stats_shape == (3, 14, plan.SOURCES * (plan.SOURCES + 1))
+    tile = plan.make(16, 3, 8, 7168, **PRODUCTION, variant="tile-512-w8")
+    assert tile.launch.kernel == "tile_kernel" and tile.launch.grid == (3,) and tile.launch.num_warps == 8
+    assert dict(tile.launch.constexprs)["SUB"] == 512 and dict(tile.launch.constexprs)["SOURCES"] == plan.SOURCES
     row = plan.make(16, 3, 8, 7168, **PRODUCTION, variant="row-w16")
-    assert (
-        row.stats_shape is None and row.launches[0].grid == (3,) and dict(row.launches[0].constexprs)["BLOCK"] == 8192
-    )
-    assert row.launches[0].options() == dict(num_warps=16, num_stages=1, enable_fp_fusion=False)
-    sync = plan.make(16, 3, 8, 7168, **PRODUCTION, variant="sync-512-w8")
-    (whole,) = sync.launches
-    assert whole.kernel == "sync_kernel" and whole.grid == (14, 3) and whole.num_warps == 8  # chunks fastest
+    assert row.launch.grid == (3,) and dict(row.launch.constexprs)["BLOCK"] == 8192
+    assert row.launch.options() == dict(num_warps=16, num_stages=1, enable_fp_fusion=False)
+    assert row.stats_shape is row.arrivals_shape is tile.stats_shape is tile.arrivals_shape is None
+    sync = plan.make(16, 3, 8, 7168, **PRODUCTION, variant="sync-512-w4")
+    whole = sync.launch
+    assert whole.kernel == "sync_kernel" and whole.grid == (14, 3) and whole.num_warps == 4  # chunks fastest
     assert sync.stats_shape == (3, 14, 2 * 8 + 3) and sync.arrivals_shape == (3, 2)
     assert dict(whole.constexprs)["PHASE"] == 0 and dict(whole.constexprs)["SPAN"] == 16
-    assert dict(plan.make(16, 3, 3, 7168, **PRODUCTION, variant="sync-512-w8").launches[0].constexprs)["ROWS"] == 4
+    assert dict(plan.make(16, 3, 3, 7168, **PRODUCTION, variant="sync-512-w4").launch.constexprs)["ROWS"] == 4
     assert [dict(h.constexprs)["PHASE"] for h in sync.stages()] == [1, 2, 3]
     assert {h.grid for h in sync.stages()} == {whole.grid}
-    assert split.stages() == split.launches and row.stages() == row.launches
+    assert tile.stages() == (tile.launch,) and row.stages() == (row.launch,)
 
 
 def test_plan_refuses_unknown_and_oversized_variants():
-    with pytest.raises(ValueError, match=r"variant: expected None or one of \[.*'row-w8'"):
+    with pytest.raises(ValueError, match=r"variant: expected None or one of \[.*'row-w16'"):
         plan.make(16, 3, 8, 7168, **PRODUCTION, variant="row")
-    with pytest.raises(ValueError, match="variant: 'row-w8' holds a row in registers"):
-        plan.make(16, 3, 8, 32768, **PRODUCTION, variant="row-w8")
-    with pytest.raises(ValueError, match=r"variant: 'sync-256-w4' runs H / 256 programs per token .* at most 32"):
-        plan.make(16, 3, 8, 8448, **PRODUCTION, variant="sync-256-w4")  # 33 chunks
-    assert plan.make(16, 3, 8, 8192, **PRODUCTION, variant="sync-256-w4").launches[0].grid == (32, 3)
+    with pytest.raises(ValueError, match="variant: 'row-w16' holds a row in registers.*take 'tile-512-w8'"):
+        plan.make(16, 3, 8, 32768, **PRODUCTION, variant="row-w16")
+    with pytest.raises(ValueError, match=r"variant: 'sync-256-w1' runs H / 256 programs per token .* at most 32"):
+        plan.make(16, 3, 8, 8448, **PRODUCTION, variant="sync-256-w1")  # 33 chunks
+    assert plan.make(16, 3, 8, 8192, **PRODUCTION, variant="sync-256-w1").launch.grid == (32, 3)
     with pytest.raises(
         ValueError, match=r"variant: 'sync-1024-w4' puts the tokens on the grid's second axis, T <= 65535"
     ):
         plan.make(16, 65536, 8, 7168, **PRODUCTION, variant="sync-1024-w4")
-    assert plan.make(16, 65535, 8, 7168, **PRODUCTION, variant="sync-1024-w4").launches[0].grid == (7, 65535)
+    assert plan.make(16, 65535, 8, 7168, **PRODUCTION, variant="sync-1024-w4").launch.grid == (7, 65535)
     assert "R <= 64" in plan.unsupported_reason(65) and plan.unsupported_reason(16) is None
 
 
@@ -733,27 +784,29 @@ def test_benchmark_script_without_a_gpu_records_every_step_as_skipped(tmp_path):
     records = json.loads(path.read_text())
     assert records[0]["kind"] == "header" and "triton" in records[0]["backends"]
     skipped = [r for r in records[1:] if r["kind"] == "skipped"]
-    assert len(skipped) == 2 * len(plan.VARIANTS) and {r["T"] for r in skipped} == {1, 4096}
-    assert all("no CPU or interpret path" in r["reason"] for r in skipped)
-    assert script.main(["--allow-cpu", "--out", str(tmp_path), "--tokens", "1,4096", "--defaults-only"]) == 0
-    skipped = [r for r in json.loads(path.read_text()) if r["kind"] == "skipped"]
     assert [(r["T"], r["variant"]) for r in skipped] == [(T, plan.default_variant(T, 7168)) for T in (1, 4096)]
+    assert all("no CPU or interpret path" in r["reason"] for r in skipped)
 
 
-def test_benchmark_script_picks_the_fastest_variant_per_tokens():
-    script = benchmark_script("triton_gpu")
-    timing = lambda backend, T, variant, us, kernels: dict(
-        kind="timing", backend=backend, T=T, variant=variant, us=us, us_kernels=kernels
+def test_record_script_merges_the_runs_per_tokens_and_launch():
+    """benchmarks/triton_record.py: one record per (T, backend, JAX launch), the median of the runs."""
+    script = benchmark_script("triton_record")
+    default = plan.default_variant(1, configs.HIDDEN)
+    timing = lambda backend, us, **launch: dict(
+        kind="timing", backend=backend, T=1, variant=default, us=us, us_kernels=None, **launch
     )
-    records = [
-        timing("triton-torch", 1, "split-256-w4", 5.0, 4.0),
-        timing("triton-torch", 1, "row-w8", 9.0, 3.5),
-        timing("triton", 1, "row-w8", 12.0, None),
+    runs = [
+        [
+            timing("triton", us, launch="library"),
+            timing("triton", us + 3, launch="jax_triton"),
+            timing("triton-torch", us),
+        ]
+        for us in (5.0, 4.0, 6.0)
     ]
-    best = {r["backend"]: r for r in script.best_records(records)}
-    assert best["triton-torch"]["by_us"] == "split-256-w4" and best["triton-torch"]["by_us_kernels"] == "row-w8"
-    assert best["triton"]["by_us"] == "row-w8" and best["triton"]["by_us_kernels"] is None
-    assert best["triton"]["default"] == plan.default_variant(1, configs.HIDDEN)
+    merged = {(r["backend"], r.get("launch")): r for r in script.merge(runs)}
+    assert set(merged) == {("triton", "library"), ("triton", "jax_triton"), ("triton-torch", None)}
+    assert merged["triton", "library"]["us"] == 5.0 and merged["triton", "library"]["us_runs"] == [5.0, 4.0, 6.0]
+    assert merged["triton", "jax_triton"]["us"] == 8.0 and merged["triton-torch", None]["record"] is True
 
 
 def test_spread_tokens_checks_a_sample_of_tokens():

@@ -1,8 +1,8 @@
-"""backend="triton" on the GPU: the JAX launch (the default lowering) and the PyTorch launch of
-the same kernels against each other (bit for bit: prefix, output, xmoe) and against the oracle,
-for every kernel variant; every JAX lowering (backend.LOWERINGS) alike; a donated prefix updated in place;
-the PyTorch launch inside a CUDA graph; a jitted chain inside XLA's command buffers (checked on
-XLA's thunk dump).
+"""backend="triton" on the GPU: the JAX launch (through the package's FFI target) and the PyTorch
+launch of the same kernels against each other (bit for bit: prefix, output, xmoe) and against the
+oracle, for every configuration of plan.VARIANTS; the JAX launch through jax_triton alike; a
+donated prefix updated in place; the PyTorch launch inside a CUDA graph; a jitted chain inside
+XLA's command buffers (checked on XLA's thunk dump).
 
 Needs a CUDA GPU (the `gpu` fixture skips without one, with the reason) of compute capability
 8.0 or newer, triton, jax-triton, the JAX CUDA plugin and PyTorch with CUDA; on a GPU machine a
@@ -35,11 +35,11 @@ ARGS = ("mailbox", "prefix", "blocks", "norm", "query", "out_norm")
 SEED = int(time.time()) % 2**31
 EPS = dict(eps=1e-6, out_eps=1e-5)
 SWEEP = tuple(Config(configs.TP, t, 8) for t in (1, 8, 64, 512, 4096))  # the production shape over T
-# Both launches: every option set with the default variant (sync at these T), every variant at
-# the production shape. The one-program-per-token kernels over every option set: PyTorch only
+# Both launches: every option set with the default configuration (sync at these T), every
+# configuration at the production shape. The one-program-per-token kernels over every option set: PyTorch only
 # (the JAX launch of the same kernel is the sweep's), which halves the compiles.
 CASES = [(c, None) for c in configs.PARITY] + [(c, v) for c in SWEEP for v in plan.VARIANTS]
-ONE_PROGRAM_PER_TOKEN = [(c, v) for c in configs.PARITY for v in ("row-w8", "tile-256-w4")]
+ONE_PROGRAM_PER_TOKEN = [(c, v) for c in configs.PARITY for v in ("row-w16", "tile-512-w8")]
 ORACLE_TOKENS = 64  # at larger T the oracle checks this many tokens, spread over T
 
 
@@ -64,7 +64,7 @@ def inputs(config: Config) -> tuple[dict, dict]:
 
 def run_jax(arrays, options, variant, device):
     args = [jax.device_put(arrays[k], device) for k in ARGS]
-    result = backend.consumer(*args, **EPS, **options, variant=variant)
+    result = backend.launch(*args, **EPS, **options, variant=variant)
     return tuple(None if x is None else np.asarray(x) for x in result)
 
 
@@ -108,24 +108,23 @@ def test_torch_launch_of_the_row_and_tile_kernels_matches_the_oracle(triton_gpu,
     )
 
 
-DONATED = [(None, 1, "triton_call"), ("row-w8", 64, "triton_call"), ("tile-256-w4", 8, "triton_call")]
-DONATED += [("split-1024-w4", 3, "ffi"), ("row-w16", 64, "ffi"), ("sync-512-w4", 8, "ffi")]
-# "library": the record-stage target, and the traced one above library.RECORD_MAX_T tokens
-DONATED += [(None, 1, "library"), ("split-1024-w4", 3, "library"), ("sync-2048-w8", 64, "library")]
+# "library": the package's record-stage target, and the traced one above library.RECORD_MAX_T tokens
+DONATED = [(None, 1, "library"), ("tile-512-w8", 3, "library"), ("sync-2048-w8", 64, "library")]
 DONATED += [("row-w16", 65, "library"), ("sync-1024-w4", 80, "library"), (None, 80, "library")]
-# jax-triton has no register cap: its lowerings compile a capped variant uncapped (same bits)
-DONATED += [("sync-1024-w4-reload-r64", 80, "ffi")]
+DONATED += [(None, 1, "jax_triton"), ("row-w16", 64, "jax_triton"), ("tile-512-w8", 8, "jax_triton")]
+# jax-triton has no register cap: it compiles a capped configuration uncapped (same bits)
+DONATED += [("sync-1024-w4-reload-r64", 80, "jax_triton")]
 
 
-@pytest.mark.parametrize(("variant", "T", "lowering"), DONATED)
-def test_donated_prefix_is_updated_in_place(triton_gpu, variant, T, lowering):
+@pytest.mark.parametrize(("variant", "T", "launch"), DONATED)
+def test_donated_prefix_is_updated_in_place(triton_gpu, variant, T, launch):
     """Two jitted steps with the prefix donated: the result lives in the donated buffer (the
     kernel's prefix output is aliased to its input), each step against the oracle."""
     config = Config(configs.TP, T, 8, xmoe_replicas=1)
     arrays, options = inputs(config)
     mailboxes = [arrays["mailbox"], configs.make_inputs(config, SEED + 1)["mailbox"]]
-    launch = functools.partial(backend.launch, **EPS, **options, variant=variant, lowering=lowering)
-    step = jax.jit(launch, donate_argnums=1)
+    consume = functools.partial(backend.launch, **EPS, **options, variant=variant, jax_triton=launch == "jax_triton")
+    step = jax.jit(consume, donate_argnums=1)
     _, prefix, *rest = (jax.device_put(arrays[k], triton_gpu) for k in ARGS)
     before = np.asarray(prefix)
     for k, mailbox in enumerate(mailboxes):
@@ -139,20 +138,18 @@ def test_donated_prefix_is_updated_in_place(triton_gpu, variant, T, lowering):
 
 
 @pytest.mark.parametrize(
-    ("config", "variant"), [(Config(configs.TP, 3, 8), None), (Config(2, 64, 1, groups=3), "row-w8")]
+    ("config", "variant"), [(Config(configs.TP, 3, 8), None), (Config(2, 64, 1, groups=3), "row-w16")]
 )
-def test_every_lowering_gives_the_bits_of_triton_call(triton_gpu, config, variant):
-    """The lowerings launch the same kernel (jax_triton's PTX, or Triton's cubin of it): the
+def test_jax_triton_launch_gives_the_bits_of_the_library_launch(triton_gpu, config, variant):
+    """Both JAX launches run the same kernel (jax_triton's PTX, or Triton's cubin of it): the
     same bits."""
     arrays, options = inputs(config)
     args = [jax.device_put(arrays[k], triton_gpu) for k in ARGS]
-    got = {
-        lowering: backend.launch(*args, **EPS, **options, variant=variant, lowering=lowering)
-        for lowering in backend.LOWERINGS
-    }
-    for lowering in backend.LOWERINGS:
-        for name, a, b in zip(("prefix", "output"), got["triton_call"], got[lowering]):
-            testing.assert_same_bits(np.asarray(a), np.asarray(b), f"{config.name} {name}: triton_call vs {lowering}")
+    library, jax_triton = (
+        backend.launch(*args, **EPS, **options, variant=variant, jax_triton=flag) for flag in (False, True)
+    )
+    for name, a, b in zip(("prefix", "output"), library, jax_triton):
+        testing.assert_same_bits(np.asarray(a), np.asarray(b), f"{config.name} {name}: library vs jax_triton")
 
 
 def test_registry_call_under_jit(triton_gpu):
@@ -163,7 +160,7 @@ def test_registry_call_under_jit(triton_gpu):
     testing.check_result(config, arrays, result, **EPS, what=f"seed={SEED}")
 
 
-@pytest.mark.parametrize("variant", [None, "row-w8", "sync-256-w4"])
+@pytest.mark.parametrize("variant", [None, "row-w16", "tile-512-w8"])
 def test_torch_launch_replays_in_a_cuda_graph(triton_gpu, variant):
     """Captured once, replayed on new inputs copied into the captured buffers: the same bits as
     an eager launch on those inputs (sync: its counters' zeroing is captured with it)."""
@@ -241,11 +238,11 @@ _COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
     import jax, numpy as np
     from oproj_jax import configs
     from oproj_jax.triton import backend
-    out, seed, lowering = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    out, seed, jax_triton = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "jax_triton"
     config = configs.Config(16, 3, 8, xmoe_replicas=1)
     kw = dict(eps=1e-6, out_eps=1e-5, has_delta=True, groups=4, xmoe_replicas=1)
     def chain(variant, name):
-        consume = functools.partial(backend.launch, variant=variant, lowering=lowering, **kw)
+        consume = functools.partial(backend.launch, variant=variant, jax_triton=jax_triton, **kw)
         def steps(m1, m2, prefix, blocks, norm, query, out_norm):
             a = consume(m1, prefix, blocks, norm, query, out_norm)
             b = consume(m2, a.prefix, blocks, norm, query, out_norm)
@@ -256,7 +253,7 @@ _COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
     sets = [configs.make_inputs(config, seed + k) for k in (0, 1)]
     args = [[jax.device_put(x[k]) for k in names] for x in sets]
     runs = {}
-    for fn in (chain("split-256-w4", "split_steps"), chain("row-w8", "row_steps"), chain("sync-256-w4", "sync_steps")):
+    for fn in (chain("tile-512-w8", "tile_steps"), chain("row-w16", "row_steps"), chain(None, "sync_steps")):
         jitted = jax.jit(fn)
         # Alternating input sets: new buffer addresses each execution (graph updates, not re-records).
         runs[fn.__name__] = [[np.asarray(v).view(np.uint16) for v in jitted(x[0], y[0], *x[1:])]
@@ -265,23 +262,22 @@ _COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("lowering", ["triton_call", "ffi", "library"])
-def test_xla_command_buffer_thunk_dump(triton_gpu, tmp_path, lowering):
+@pytest.mark.parametrize("launch", ["library", "jax_triton"])
+def test_xla_command_buffer_thunk_dump(triton_gpu, tmp_path, launch):
     """Checks XLA's thunk dump: two chained consumer calls under jax.jit run inside a command
-    buffer (CUDA graph), every kernel launch a custom call nested in it (2 per call for the split
-    kernels, 1 for the row and sync kernels); executions alternating two input sets are exact
-    (sync: its arrival counters zeroed in each call of each replay).
+    buffer (CUDA graph), every kernel launch a custom call nested in it (1 per call); executions
+    alternating two input sets are exact (sync: its arrival counters zeroed in each call of each
+    replay).
 
     XLA records a custom call into a command buffer only if its FFI handler says it may: the
-    package's target does (lowering "library"), and jaxlib's "triton_kernel_call_ffi" (lowering
-    "ffi"); jax-triton 0.3.1's triton_call lowers to the
-    legacy "triton_kernel_call", which has no FFI handler, so there the count is expected to be 0
-    (each launch then goes from the host): xfail, with the count, rather than a failure."""
+    package's target does; jax-triton 0.3.1's triton_call lowers to the legacy
+    "triton_kernel_call", which has no FFI handler, so there the count is expected to be 0 (each
+    launch then goes from the host): xfail, with the count, rather than a failure."""
     dump = tmp_path / "dump"
     env = testing.command_buffer_env(dump)
     out = tmp_path / "runs.npy"
     done = subprocess.run(
-        [sys.executable, "-c", _COMMAND_BUFFER_SCRIPT, str(out), str(SEED), lowering],
+        [sys.executable, "-c", _COMMAND_BUFFER_SCRIPT, str(out), str(SEED), launch],
         env=env,
         capture_output=True,
         text=True,
@@ -303,8 +299,8 @@ def test_xla_command_buffer_thunk_dump(triton_gpu, tmp_path, lowering):
                 for got, want in zip(run, executions[i - 2]):
                     np.testing.assert_array_equal(got, want, err_msg=f"{name}: replay {i} vs {i - 2}")
     counts = {m: testing.custom_calls_in_command_buffers(testing.thunk_sequence(dump, m)) for m in runs}
-    if lowering == "triton_call" and not any(counts.values()):
+    if launch == "jax_triton" and not any(counts.values()):
         pytest.xfail(f"the legacy triton_kernel_call custom calls run outside XLA's command buffers: {counts}")
-    assert counts == {"split_steps": 4, "row_steps": 2, "sync_steps": 2}, testing.thunk_sequence(dump, "split_steps")[
+    assert counts == {"tile_steps": 2, "row_steps": 2, "sync_steps": 2}, testing.thunk_sequence(dump, "tile_steps")[
         :3000
     ]

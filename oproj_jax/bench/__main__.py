@@ -118,13 +118,6 @@ def parse_args(argv):
         metavar="P",
         help="with --tp: run the mesh as P jax.distributed processes on this host, one GPU each (bench/tp.py)",
     )
-    parser.add_argument(
-        "--registration",
-        choices=("record", "traced", "direct"),
-        default=None,
-        help="diagnostic: how the cute targets meet XLA's command buffers "
-        "(oproj_jax.cute.ffi.REGISTRATION; default record)",
-    )
     parser.add_argument("--json", metavar="PATH", help="write the records as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG: time vs T per backend, log-log, copy roofline")
     args = parser.parse_args(argv)
@@ -216,10 +209,6 @@ def main(argv=None) -> int:
     from oproj_jax.bench import inputs as bench_inputs
     from oproj_jax.bench import report, runner
 
-    if args.registration:
-        from oproj_jax.cute import ffi
-
-        ffi.REGISTRATION = args.registration
     platform = jax.default_backend()
     figures = platform == "gpu"  # times are performance figures on a GPU only
     status = bench_backends.backend_status(platform)
@@ -279,7 +268,6 @@ def main(argv=None) -> int:
             seed,
             status,
             argv=list(sys.argv[1:] if argv is None else argv),
-            registration=args.registration or "record",
             performance_figures=figures,
         )
     ]

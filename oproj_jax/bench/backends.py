@@ -9,7 +9,7 @@ backend="triton" launched from PyTorch inside CUDA graphs; all run in PyTorch's 
 
 from __future__ import annotations
 
-from oproj_jax import api
+from oproj_jax import api, contract
 
 TORCH = "torch"
 CUTE_GRAPH = "cute-graph"
@@ -77,7 +77,7 @@ def backend_status(platform: str, *, with_torch: bool = True) -> dict[str, str |
     return status
 
 
-def unsupported_reason(name: str, dims: api.Dims, options: dict) -> str | None:
+def unsupported_reason(name: str, dims: contract.Dims, options: dict) -> str | None:
     """None when backend `name` handles these dims/options, else why not (the registry's answer)."""
     name = TORCH_PROCESS.get(name, name)
     if name is None:  # the PyTorch baseline handles every call

@@ -11,7 +11,7 @@ import time
 
 import jax
 
-from oproj_jax import api, configs
+from oproj_jax import configs, contract
 from oproj_jax.bench import backends as bench_backends
 from oproj_jax.bench import inputs as bench_inputs
 from oproj_jax.bench import report
@@ -59,20 +59,16 @@ def _driver() -> str | None:
 
 
 def _cubin_build() -> dict | None:
-    """Where the CuTe cubins came from and how they were built (None: no manifest)."""
+    """Where the CuTe cubins came from (None: no manifest)."""
     from oproj_jax.cute import manifest
 
     try:
         built = manifest.load_manifest()
     except (OSError, ValueError):
         return None
-    builds = sorted({manifest.entry_build(entry).tag for entry in built.get("kernels", [])})
     return dict(
         dir=str(manifest.default_dir()),
         cutlass_dsl=built.get("cutlass_dsl"),
-        builds=builds,
-        ready_build=manifest.build_for(1, True).tag,
-        protocol_build=manifest.build_for(1, False).tag,
         kernels=len(built.get("kernels", [])),
     )
 
@@ -103,8 +99,8 @@ def header(seed: int, status: dict[str, str | None], **extra) -> dict:
     )
 
 
-def _dims(config: configs.Config) -> api.Dims:
-    return api.Dims(1 if config.twoshot else config.R, config.T, config.NB, config.H)
+def _dims(config: configs.Config) -> contract.Dims:
+    return contract.Dims(1 if config.twoshot else config.R, config.T, config.NB, config.H)
 
 
 def _skip(backend: str, what: str, reason: str) -> dict:

@@ -140,15 +140,14 @@ def time_triton_torch(
     *,
     l2_bytes: int,
     profile: bool,
-    variant=None,
     kept_arrivals: bool = True,
     pdl: bool | None = None,
 ) -> Timing:
     """The Triton kernels launched from PyTorch (oproj_jax/triton/torch_launch.py) in CUDA graphs:
-    the same kernels backend="triton" runs, without XLA in between. `variant`: a name of
-    oproj_jax.triton.plan.VARIANTS (None: the default rule). `kept_arrivals`: one set of arrival
-    counters for the whole chain, as a decode loop keeps them (False: zeroed in every call);
-    `pdl`: torch_launch.consumer's. Checked first: one launch's prefix must equal torch_ref's bits."""
+    the same kernels backend="triton" runs (plan.default_variant's configuration), without XLA in
+    between. `kept_arrivals`: one set of arrival counters for the whole chain, as a decode loop
+    keeps them (False: zeroed in every call); `pdl`: torch_launch.consumer's. Checked first: one
+    launch's prefix must equal torch_ref's bits."""
     import functools
 
     import torch
@@ -156,13 +155,13 @@ def time_triton_torch(
     from oproj_jax.triton import plan, torch_launch
 
     arrivals = torch_launch.arrival_counters(case.config.T, "cuda") if kept_arrivals else None
-    consumer = functools.partial(torch_launch.consumer, variant=variant, arrivals=arrivals, pdl=pdl)
+    consumer = functools.partial(torch_launch.consumer, arrivals=arrivals, pdl=pdl)
     base, weights = _device_base(torch, case)
     prefix = base["prefix"].clone()
     _, output, _ = consumer(base["mailbox"], prefix, base["blocks"], *weights, **consumer_options(case.config))
     err = _check_against_torch_ref(torch, "triton-torch", case.config, base, weights, prefix, output)
     del base, weights, prefix, output
-    chosen = plan.choose(variant, case.config.T, case.config.H).name
+    chosen = plan.default_variant(case.config.T, case.config.H)
     how = f"{chosen}, counters {'kept' if kept_arrivals else 'zeroed per call'}, pdl {pdl}"
     timing = _time_entry(
         torch, consumer, case, k1, k2, reps, l2_bytes=l2_bytes, profile=profile, what=f"Triton launches ({how})"

@@ -15,8 +15,7 @@ includes the time a consumer spends polling for its peers and a publish kernel w
 peer's re-arm. The peer calls enter XLA's command buffers (CUDA graphs) through their record
 stage like the other cute targets, so a chain pays kernel time, not per-call host dispatch.
 A failed combination becomes an "error" record and the run goes on; the JSON is rewritten
-after every record. `--protocol-build m0` (or m3) runs mode="peer" on a grouped build instead of
-the folded one (cute.manifest.PROTOCOL_BUILD), for an A/B comparison; records name the build.
+after every record.
 
 `--processes N` runs the same as N jax.distributed processes on this host, one GPU each (the
 mesh spans them; mode="peer" maps the mailboxes through CUDA IPC): every process times its own
@@ -42,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 from oproj_jax import configs, processes
 from oproj_jax.bench import timing
 from oproj_jax.bench.report import time_cell
-from oproj_jax.cute import manifest, peer
+from oproj_jax.cute import peer
 from oproj_jax.sharded import tp_consumer
 
 # most important first: a stage cut short by its time limit still has the comparison of record
@@ -141,7 +140,6 @@ def time_combo(
         processes=jax.process_count(),
         process_index=jax.process_index(),
         **timing.shape_fields(config),
-        protocol_build=manifest.build_for(config.T, False).tag if mode == "peer" else None,
         us=timing.caller_pays(us_pipelined, us_host),
         us_pipelined=us_pipelined,
         us_host=us_host,
@@ -255,12 +253,6 @@ def main(argv=None) -> int:
     parser.add_argument("--no-profile", action="store_true", help="skip the profiler's kernel times")
     parser.add_argument("--json", metavar="PATH", help="write the records as JSON")
     parser.add_argument(
-        "--protocol-build",
-        choices=[b.tag for b in (manifest.FOLDED, manifest.GROUPED, manifest.GROUPED_BOUNDED)],
-        default=manifest.PROTOCOL_BUILD.tag,
-        help="the cubin build mode='peer' launches (cute.manifest.PROTOCOL_BUILD; default %(default)s)",
-    )
-    parser.add_argument(
         "--chain",
         default=",".join(map(str, CHAIN)),
         help="chain lengths K1,K2 of the slope (default %(default)s); more steps between them average "
@@ -287,7 +279,6 @@ def main(argv=None) -> int:
         pid, count, port = args.as_process
         processes.initialize(pid, count, port, local_device_ids=[pid])
         args.json = f"{args.json or 'bench_tp.json'}.process{pid}"
-    manifest.PROTOCOL_BUILD = manifest.parse_build(args.protocol_build)  # read when the calls are traced
     try:
         k1, k2 = (int(k) for k in args.chain.split(","))
     except ValueError:

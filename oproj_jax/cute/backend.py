@@ -36,13 +36,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from oproj_jax import abi
 from oproj_jax.cute import cache, ffi
-from oproj_jax.api import ConsumerResult, Dims, check_arguments
+from oproj_jax.contract import HIDDEN, ConsumerResult, Dims, check_arguments
 from oproj_jax.cute import manifest as cute_manifest
 from oproj_jax.options import DEFAULTS, Options, takes_options
 from oproj_jax.reference import without_negative_zero
 
-HIDDEN = 7168  # 7 CTAs x 128 threads x 8 elements: the only hidden size the cubins are built for
 MAX_TOKENS = 65535  # grid.y
 MAX_RANKS = 16  # mailbox slots the kernel sums (cute/kernel.py; the publish kernel's destinations too)
 # named in every limit's reason: what takes a shape the cubins do not
@@ -52,9 +52,9 @@ BUILD_COMMAND = "python -m oproj_jax.build"
 # that is never published becomes a status code, not a hung GPU. One second is far above any
 # real producer skew and above a first call's allocations on other devices.
 DEFAULT_TIMEOUT_US = 1_000_000
-_STATUS = {1: "a mailbox / gather-row slot", 2: "a twoshot receive slot"}  # codes the kernel stores
-ONESHOT_PARAMS = len(cute_manifest.ABI_ONESHOT)  # kernel parameters per cute/ABI.md
-TWOSHOT_PARAMS = len(cute_manifest.ABI_TWOSHOT)
+_STATUS = {abi.STATUS_MAILBOX: "a mailbox / gather-row slot", abi.STATUS_RECV: "a twoshot receive slot"}
+ONESHOT_PARAMS = len(abi.CONSUMER_ONESHOT)
+TWOSHOT_PARAMS = len(abi.CONSUMER_TWOSHOT)
 
 
 class CuteResult(NamedTuple):
@@ -88,9 +88,9 @@ def kernel_key(R: int, NB: int, *, twoshot: bool, **options) -> dict:
     return cute_manifest.make_key(R, NB, opts.has_delta, opts.groups, opts.xmoe_replicas, bool(twoshot))
 
 
-def _key_build_command(key: dict, build: cute_manifest.Build) -> str:
+def _key_build_command(key: dict) -> str:
     flags = ",".join(str(int(key[k])) for k in cute_manifest.KEY_FIELDS)
-    return f"python -m oproj_jax.cute.build --key {flags} --builds {build.tag}"
+    return f"python -m oproj_jax.cute.build --key {flags}"
 
 
 @functools.lru_cache(maxsize=4)
@@ -125,9 +125,9 @@ class _Kernel(NamedTuple):
     variant: tuple[int, int, int] | None = None
 
 
-def _prebuilt(key: dict, build: cute_manifest.Build) -> tuple[tuple[dict, dict] | None, str]:
-    """((the manifest, its entry for `key` compiled as `build`), "") or (None, why no prebuilt
-    cubin serves it: no manifest, a stale one, or the variant not in it)."""
+def _prebuilt(key: dict) -> tuple[tuple[dict, dict] | None, str]:
+    """((the manifest, its entry for `key`), "") or (None, why no prebuilt cubin serves it: no
+    manifest, a stale one, or the variant not in it)."""
     parsed, where = _manifest()
     if parsed is None:
         return None, f"no CuTe cubins/manifest found ({where})"
@@ -135,43 +135,43 @@ def _prebuilt(key: dict, build: cute_manifest.Build) -> tuple[tuple[dict, dict] 
     stale = cute_manifest.stale_reason(manifest)
     if stale:
         return None, stale
-    entry = cute_manifest.find(manifest, key, build, entries)
+    entry = cute_manifest.find(manifest, key, entries)
     if entry is None:
-        return None, f"no prebuilt CuTe cubin for key {cute_manifest.describe(key)} built as {build.tag} in {where}"
+        return None, f"no prebuilt CuTe cubin for key {cute_manifest.describe(key)} in {where}"
     return (manifest, entry), ""
 
 
-def _from_cache(key: dict, build: cute_manifest.Build, T: int, ready: bool, why: str) -> str | None:
-    """None if the cache serves `key` as `build` (compiled there, or compiled on first use),
-    else why not: `why` no prebuilt cubin serves it, and why none can be compiled."""
+def _from_cache(key: dict, T: int, ready: bool, why: str) -> str | None:
+    """None if the cache serves `key` (compiled there, or compiled on first use), else why not:
+    `why` no prebuilt cubin serves it, and why none can be compiled."""
     cannot = cache.disabled_reason()
     if cannot:
         mode = "ready" if ready else "protocol"
-        return f"{why} ({mode} mode, T={T}); build it with `{_key_build_command(key, build)}`; {cannot}"
-    if cache.cached(key, build):
+        return f"{why} ({mode} mode, T={T}); build it with `{_key_build_command(key)}`; {cannot}"
+    if cache.cached(key):
         return None
-    rejected = cache.kernel_rejects(key, build)
+    rejected = cache.kernel_rejects(key)
     return f"{cute_manifest.describe(key)}: {rejected}" if rejected else None
 
 
 def _kernel(key: dict, T: int, ready: bool) -> _Kernel:
-    """The cubin for `key`, T tokens and the mode (manifest.build_for): the prebuilt one, else
-    one compiled on first use (cute/cache.py: the CuTe DSL installed; cached on disk for later
-    calls and processes), else a ValueError naming the key and the command that builds it. A
-    prebuilt manifest must match the installed kernel sources (else it is passed over), and a
-    cubin its recorded sha256 (manifest.py, "Integrity"; hashed once per process)."""
-    build = cute_manifest.build_for(T, ready)
-    found, why = _prebuilt(key, build)
-    rebuild = _key_build_command(key, build)
+    """The cubin (manifest.FOLDED) for `key`, of a call with T tokens in ready or protocol mode
+    (an error names both): the prebuilt one, else one compiled on first use (cute/cache.py: the
+    CuTe DSL installed; cached on disk for later calls and processes), else a ValueError naming
+    the key and the command that builds it. A prebuilt manifest must match the installed kernel
+    sources (else it is passed over), and a cubin its recorded sha256 (manifest.py, "Integrity";
+    hashed once per process)."""
+    found, why = _prebuilt(key)
+    rebuild = _key_build_command(key)
     if found is not None:
         manifest, entry = found
         _check_abi(manifest, entry, key, rebuild)
         path = cute_manifest.verified_cubin_path(manifest, entry, rebuild)  # sha256, once
     else:
-        cannot = _from_cache(key, build, T, ready, why)
+        cannot = _from_cache(key, T, ready, why)
         if cannot:
             raise ValueError(cannot)
-        manifest, entry, path = cache.kernel(key, build, why, rebuild)
+        manifest, entry, path = cache.kernel(key, why, rebuild)
         _check_abi(manifest, entry, key, rebuild)
     return _Kernel(
         str(path),
@@ -196,11 +196,10 @@ def _check_abi(manifest: dict, entry: dict, key: dict, rebuild: str) -> None:
 def _kernel_reason(key: dict, T: int, ready: bool) -> str | None:
     """None if _kernel(key, T, ready) serves the call (prebuilt and intact, or compiled on first
     use), else why not; compiles nothing."""
-    build = cute_manifest.build_for(T, ready)
-    found, why = _prebuilt(key, build)
+    found, why = _prebuilt(key)
     if found is None:
-        cannot = _from_cache(key, build, T, ready, why)
-        if cannot or not cache.cached(key, build):
+        cannot = _from_cache(key, T, ready, why)
+        if cannot or not cache.cached(key):
             return cannot
     try:  # a prebuilt or cached cubin: hashed (once per process), as the call would
         _kernel(key, T, ready)
@@ -267,10 +266,9 @@ def explain_note(dims: Dims, **options) -> str | None:
     """What oproj_jax.explain adds when cute runs a call: that its cubin is not prebuilt and the
     first call compiles it (seconds, once; cached on disk), or that an earlier call did."""
     key = kernel_key(dims.R, dims.NB, twoshot=False, **options)
-    build = cute_manifest.build_for(dims.T, True)
-    if _prebuilt(key, build)[0] is not None:
+    if _prebuilt(key)[0] is not None:
         return None
-    if cache.cached(key, build):
+    if cache.cached(key):
         return f"{cute_manifest.describe(key)} is not prebuilt; an earlier call compiled it into the cache"
     return f"{cute_manifest.describe(key)} is not prebuilt: the first call compiles it (seconds, once; cached on disk)"
 

@@ -12,14 +12,13 @@ directory `oproj_jax/cute/cubins/` (git-ignored, declared package data, so an in
 or a carried checkout has them), or build into any directory, copy it over, and point
 $OPROJ_JAX_CUBIN_DIR at it. oproj_jax.cute.manifest resolves the directory the same way.
 
-The default set (default_set(); the argument for it: docs/cubins.md): the production family
+Every cubin is the folded build (manifest.FOLDED), the one build every path launches. The
+default set (default_set(); the argument for it: docs/cubins.md): the production family
 R in {1, 2, 4, 8, 16} x NB 0..8 x has_delta both x groups 1..4 (as effective counts) x xmoe
-0..3, oneshot, as the folded build, the one every path launches (manifest.build_for); and the
-keys the GPU tests and benchmarks use (comparison_keys(), with their twoshot kernels) as every
-build of manifest.BUILDS, so that they can compare the builds. 1067 cubins, about 0.5 s each;
-`--jobs` compiles in parallel processes. A variant outside it compiles on first use where the
-DSL is installed (cute/cache.py). Every build also compiles the publish kernel of mode="peer"
-(cute/publish.py), recorded as the manifest's "publish" entry.
+0..3, oneshot, and the twoshot keys the GPU tests and benchmarks run (twoshot_keys()). 1011
+cubins, about 0.5 s each; `--jobs` compiles in parallel processes. A variant outside it
+compiles on first use where the DSL is installed (cute/cache.py). Every build also compiles
+the publish kernel of mode="peer" (cute/publish.py), recorded as the manifest's "publish" entry.
 R stays static: the polling loop is unrolled over the slots a group owns, and a runtime R
 would cost registers and a dynamic loop on the critical path for no gain at the few R used.
 
@@ -44,15 +43,14 @@ import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from oproj_jax import abi
 from oproj_jax.cute import manifest as M
 
 ARCH = "sm_90a"
-ABI_ONESHOT, ABI_TWOSHOT = M.ABI_ONESHOT, M.ABI_TWOSHOT
 
 
-# The production family, prebuilt as the folded build (the one build every path launches,
-# manifest.build_for). A deployment fixes R (its TP degree), groups (the summation order its
-# prefix bits follow) and xmoe_replicas (its MoE layout), and then meets every NB (0..8
+# The production family, prebuilt. A deployment fixes R (its TP degree), groups (the summation
+# order its prefix bits follow) and xmoe_replicas (its MoE layout), and then meets every NB (0..8
 # completed blocks, by the layer's depth in its block) and both has_delta (a block's first
 # layer or not) once per decode step; so the family is every (NB, has_delta) for every R,
 # groups and xmoe_replicas a deployment may pick. groups 1..4 collapse to the effective
@@ -62,18 +60,18 @@ FAMILY_GROUPS = (1, 2, 3, 4)
 FAMILY_XMOE = (0, 1, 2, 3)
 
 
-def _ident(key: dict, build: M.Build | None = None) -> tuple:
-    return tuple(key[f] for f in M.KEY_FIELDS), build
+def _ident(key: dict) -> tuple:
+    return tuple(key[f] for f in M.KEY_FIELDS)
 
 
-def _unique(keys: list) -> list:
-    """`keys` (dicts, or (dict, Build) pairs) without repeats, in order."""
+def _unique(keys: list[dict]) -> list[dict]:
+    """`keys` without repeats, in order."""
     seen, out = set(), []
-    for item in keys:
-        ident = _ident(*item) if isinstance(item, tuple) else _ident(item)
+    for key in keys:
+        ident = _ident(key)
         if ident not in seen:
             seen.add(ident)
-            out.append(item)
+            out.append(key)
     return out
 
 
@@ -92,44 +90,28 @@ def production_keys() -> list[dict]:
     )
 
 
-def comparison_keys() -> list[dict]:
-    """The keys the GPU tests and benchmarks run, built as every build of manifest.BUILDS so that
-    they can compare the builds (manifest.PROTOCOL_BUILD, --protocol-build): configs.GPU_CHECKS
-    and BENCH with their twoshot kernels (consume_twoshot; a twoshot key outside these compiles
-    on first use), and mode="peer" on 2 GPUs (tests/test_peer_gpu.py: NB=0 without delta, every
-    groups, xmoe 0/1; bench/tp.py: NB=8, has_delta, groups=4)."""
+def twoshot_keys() -> list[dict]:
+    """The twoshot keys of configs.GPU_CHECKS and BENCH (consume_twoshot), prebuilt so that the
+    GPU tests and benchmarks run them on a machine without the DSL; any other twoshot key
+    compiles on first use. Their other keys (the gathered row a twoshot config's registry
+    consumer reads is an R=1 key) and mode="peer"'s are in the production family."""
     from oproj_jax import configs
 
-    keys = []
-    for c in configs.GPU_CHECKS + configs.BENCH:
-        keys.append(M.make_key(c.R, c.NB, c.has_delta, c.groups, c.xmoe_replicas, c.twoshot))
-        if c.twoshot:  # the registry consumes a twoshot config's gathered row: a one-slot mailbox
-            keys.append(M.make_key(1, c.NB, c.has_delta, c.groups, c.xmoe_replicas, False))
-    keys += [M.make_key(2, 0, False, groups, reps, False) for groups in FAMILY_GROUPS for reps in (0, 1)]
-    keys.append(M.make_key(2, 8, True, 4, 0, False))
-    return _unique(keys)
+    checks = configs.GPU_CHECKS + configs.BENCH
+    return _unique([M.make_key(c.R, c.NB, c.has_delta, c.groups, c.xmoe_replicas, True) for c in checks if c.twoshot])
 
 
-def default_set() -> list[tuple[dict, M.Build]]:
-    """What `python -m oproj_jax.build` prebuilds: (key, build) pairs, the production family
-    folded and the comparison keys as every build."""
-    return _unique([(k, M.FOLDED) for k in production_keys()] + [(k, b) for k in comparison_keys() for b in M.BUILDS])
+def default_set() -> list[dict]:
+    """The keys `python -m oproj_jax.build` prebuilds: the production family and twoshot_keys()."""
+    return _unique(production_keys() + twoshot_keys())
 
 
-def default_keys() -> list[dict]:
-    """The keys of the default set (each with at least one build)."""
-    return _unique([k for k, _ in default_set()])
-
-
-def cubin_name(key: dict, build: M.Build = M.GROUPED) -> str:
+def cubin_name(key: dict) -> str:
+    """The file name of `key`'s cubin (the folded build: suffix _f)."""
     k = M.normalize_key(key)
     delta = "d" if k["has_delta"] else "nd"
     shot = "_twoshot" if k["twoshot"] else ""
-    if build.fold:
-        suffix = f"_f{build.min_ctas}" if build.min_ctas else "_f"
-    else:
-        suffix = f"_m{build.min_ctas}" if build.min_ctas else ""
-    return f"oproj_R{k['R']}_NB{k['NB']}_{delta}_G{k['groups']}_x{k['xmoe_replicas']}{shot}{suffix}.cubin"
+    return f"oproj_R{k['R']}_NB{k['NB']}_{delta}_G{k['groups']}_x{k['xmoe_replicas']}{shot}_f.cubin"
 
 
 def ptx_params(ptx: str) -> list[str]:
@@ -189,7 +171,7 @@ def compile_variant(key: dict, build: M.Build = M.GROUPED, trace: bool = False, 
     if cubin[:4] != b"\x7fELF" or entry.encode() not in cubin:
         raise RuntimeError(f"{M.describe(k)}: the DSL did not return an ELF cubin with entry {entry}")
     params = ptx_params(ptx)
-    expected = ABI_TWOSHOT if k["twoshot"] else ABI_ONESHOT
+    expected = abi.ptx(abi.CONSUMER_TWOSHOT if k["twoshot"] else abi.CONSUMER_ONESHOT)
     if params != expected:
         raise RuntimeError(f"{M.describe(k)}: PTX params {params} differ from the ABI {expected}")
     extra = dict(ptx=ptx) if with_ptx else {}
@@ -228,16 +210,16 @@ def compile_publish() -> dict:
     if cubin[:4] != b"\x7fELF" or entry.encode() not in cubin or publish.ENTRY_HINT not in entry.lower():
         raise RuntimeError(f"publish kernel: the DSL did not return an ELF cubin with entry {entry}")
     params = ptx_params(ptx)
-    if params != publish.PUBLISH_PARAMS:
-        raise RuntimeError(f"publish kernel: PTX params {params} differ from the ABI {publish.PUBLISH_PARAMS}")
+    if params != abi.ptx(abi.PUBLISH):
+        raise RuntimeError(f"publish kernel: PTX params {params} differ from the ABI {abi.ptx(abi.PUBLISH)}")
     return dict(cubin=M.PUBLISH_CUBIN, entry=entry, block=[publish.THREADS, 1, 1], params=params, cubin_bytes=cubin)
 
 
 def _compile_to(args) -> dict:
-    key, build, out_dir = args
+    key, out_dir = args
     t0 = time.time()
-    result = compile_variant(key, build)
-    name = cubin_name(key, build)
+    result = compile_variant(key, M.FOLDED)
+    name = cubin_name(key)
     (Path(out_dir) / name).write_bytes(result.pop("cubin_bytes"))
     result["cubin"] = name
     result["build_s"] = round(time.time() - t0, 2)
@@ -256,21 +238,15 @@ def dsl_version() -> str:
         return "unknown"
 
 
-def build_cubins(out_dir=None, keys=None, jobs: int | None = None, log=None, builds=None) -> dict:
-    """Build into `out_dir` (default: manifest.default_dir()) `keys`, each compiled as every one
-    of `builds` (default: manifest.BUILDS), or without `keys` the default set (default_set(),
-    only its pairs of `builds` if given); writes the cubins and manifest.json; returns the
-    manifest."""
-    from oproj_jax.configs import HIDDEN
+def build_cubins(out_dir=None, keys=None, jobs: int | None = None, log=None) -> dict:
+    """Build into `out_dir` (default: manifest.default_dir()) `keys` (default: default_set()),
+    each as the folded build; writes the cubins and manifest.json; returns the manifest."""
+    from oproj_jax.contract import HIDDEN
 
     out = Path(out_dir) if out_dir is not None else M.default_dir()
     out.mkdir(parents=True, exist_ok=True)
-    builds = None if builds is None else [M.Build(*b) for b in builds]
-    if keys is None:
-        pairs = [(k, b) for k, b in default_set() if builds is None or b in builds]
-    else:
-        pairs = [(M.normalize_key(k), b) for k in keys for b in (builds or M.BUILDS)]
-    work = [(k, b, str(out)) for k, b in _unique(pairs)]  # keys equal once groups are effective
+    keys = default_set() if keys is None else [M.normalize_key(k) for k in keys]
+    work = [(k, str(out)) for k in _unique(keys)]  # keys equal once groups are effective
     jobs = jobs or min(len(work), max(1, (os.cpu_count() or 1)))
     t0 = time.time()
     if jobs > 1 and len(work) > 1:
@@ -284,24 +260,27 @@ def build_cubins(out_dir=None, keys=None, jobs: int | None = None, log=None, bui
     old_path = out / M.MANIFEST
     if old_path.is_file():
         old = json.loads(old_path.read_text())
-        # entries of another build of the kernel sources are dropped: one fingerprint per manifest
+        # entries of another build of the kernel sources are dropped (one fingerprint per
+        # manifest), and entries of a build other than FOLDED, which nothing launches
         if (
             old.get("arch") == ARCH
             and old.get("H") == HIDDEN
             and old.get("fingerprint") == M.source_fingerprint(dsl_version())
         ):
-            rebuilt = {_ident(k, b) for k, b, _ in work}
+            rebuilt = {_ident(k) for k, _ in work}
             kept = [
                 e
                 for e in old.get("kernels", [])
-                if _ident(M.normalize_key(e["key"]), M.entry_build(e)) not in rebuilt and (out / e["cubin"]).is_file()
+                if M.entry_build(e) == M.FOLDED
+                and _ident(M.normalize_key(e["key"])) not in rebuilt
+                and (out / e["cubin"]).is_file()
             ]
     publish = compile_publish()  # ~2 s: always rebuilt, so it follows publish.py
     (out / publish["cubin"]).write_bytes(publish.pop("cubin_bytes"))
     manifest = {"arch": ARCH, "cutlass_dsl": dsl_version(), "H": HIDDEN, "kernels": kept + built, "publish": publish}
     M.seal(manifest, out)  # the source fingerprint and every cubin's sha256 (manifest.py, "Integrity")
     (out / M.MANIFEST).write_text(json.dumps(manifest, indent=1))
-    # the cubins of dropped entries (other sources, keys no longer normalized that way) would
+    # the cubins of dropped entries (other sources or builds, keys no longer normalized that way) would
     # otherwise ship as package data next to the manifest that no longer lists them
     listed = {e["cubin"] for e in manifest["kernels"]}
     for orphan in out.glob("oproj_R*.cubin"):
@@ -313,13 +292,6 @@ def build_cubins(out_dir=None, keys=None, jobs: int | None = None, log=None, bui
             f"({len(kept)} kept from the old manifest)"
         )
     return manifest
-
-
-def _parse_builds(text: str) -> tuple[M.Build, ...]:
-    try:
-        return tuple(M.parse_build(v) for v in text.split(","))
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"--builds: {err}") from None
 
 
 def _parse_key(text: str) -> dict:
@@ -348,18 +320,8 @@ def main(argv=None) -> int:
         "--key", type=_parse_key, action="append", help="R,NB,has_delta,groups,reps,twoshot (repeatable)"
     )
     parser.add_argument("--jobs", type=int, default=None, help="parallel compile processes")
-    parser.add_argument(
-        "--builds",
-        type=_parse_builds,
-        default=None,
-        help="how to compile each key, comma-separated: m<N> the grouped layout "
-        "(128 * groups threads), f<N> the folded one (128 threads), N the "
-        "launch bound in CTAs per SM, 0 = none (default: with --key every build of manifest.BUILDS, "
-        + ",".join(b.tag for b in M.BUILDS)
-        + "; without, the default set's builds of each key)",
-    )
     args = parser.parse_args(argv)
-    build_cubins(args.out, args.key, jobs=args.jobs, log=lambda s: print(s, file=sys.stderr), builds=args.builds)
+    build_cubins(args.out, args.key, jobs=args.jobs, log=lambda s: print(s, file=sys.stderr))
     return 0
 
 

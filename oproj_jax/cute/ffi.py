@@ -1,15 +1,16 @@
 """The XLA FFI library that launches the CuTe cubins: build it, load it once, register its targets.
 
-The C++ sources in `oproj_jax/cute/csrc/` are built with g++ alone into one library, against
-the headers of the jaxlib in use (`jax.ffi.include_dir()`: build with the oldest jaxlib you
-run, the FFI API version is checked) and `cuda.h` for types; libcuda is opened at run time.
+The C++ sources in the checkout's top-level `ffi/` (in an installed wheel: `oproj_jax/_ffi/`) are
+built with g++ alone into one library, against the headers of the jaxlib in use
+(`jax.ffi.include_dir()`: build with the oldest jaxlib you run, the FFI API version is checked)
+and `cuda.h` for types; libcuda is opened at run time.
 Build it with
 
     python -m oproj_jax.build --ffi-only     (or: python -m oproj_jax.cute.ffi [--out DIR])
 
 (default oproj_jax/_lib/liboproj_ffi.so, git-ignored). `pip install .` builds it too (setup.py,
 against the build environment's pinned jaxlib), when g++ and cuda.h are found; the compile step
-itself is cute/ffi_build.py. The targets are registered lazily, the first time a cute call is
+itself is oproj_jax/_ffi_build.py. The targets are registered lazily, the first time a cute call is
 traced (`register_targets()`).
 
 Registration. Each target has an execute stage (a launch on XLA's stream) and a record stage:
@@ -18,7 +19,7 @@ later only updates its arguments, where a handler without one is re-traced by st
 whenever its buffers move (several microseconds per call on the host, more than the kernel at
 decode sizes). `jax.ffi.register_ffi_target` does not pass a record stage to the CUDA plugin,
 so the library registers its targets itself: one bootstrap custom call
-(`OprojRegisterTargets`, csrc/common.h), run once per process on a CUDA device, hands the
+(`OprojRegisterTargets`, ffi/common.h), run once per process on a CUDA device, hands the
 library's target table to the XLA runtime that runs it.
 """
 
@@ -35,7 +36,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from oproj_jax.cute import ffi_build
+from oproj_jax import _ffi_build as ffi_build
 
 ONESHOT_TARGET = "oproj_cute_consumer"
 TWOSHOT_TARGET = "oproj_cute_consumer_twoshot"
@@ -45,14 +46,14 @@ READY_TARGET = "oproj_cute_consumer_ready"  # XLA-produced mailbox: read once, n
 # memory-bound multi-wave grids of large T then ran 18% slower (421 against 357 us at T=4096 on
 # the H200); traced by stream capture, the call launches our own module.
 READY_TRACED_TARGET = "oproj_cute_consumer_ready_traced"
-PEER_TARGET = "oproj_cute_peer"  # mode="peer": publish into the group's mailboxes, then consume (peer_ffi.cc)
+PEER_TARGET = "oproj_cute_peer"  # mode="peer": publish into the group's mailboxes, then consume (ffi/cute_peer.cc)
 # Up to this many tokens a call names a target with a record stage (a graph node updated in place);
 # above, its twin without one (READY_TRACED_TARGET, TRITON_TRACED_TARGET), traced by stream
 # capture: the grid is then several waves and memory-bound, and for a record-stage launch XLA
 # loads its own module and sets CU_FUNC_CACHE_PREFER_SHARED on it (the smallest L1), which cost
 # the CuTe kernels 18 % at T = 4096 (docs/perf.md), more than the host work the record stage saves.
 RECORD_MAX_T = 64
-# backend="triton": a Triton cubin (oproj_jax/triton/library.py, triton/csrc/launch_ffi.cc), with a
+# backend="triton": a Triton cubin (oproj_jax/triton/library.py, ffi/triton_launch.cc), with a
 # record stage, and without one for large T (as READY_TRACED_TARGET).
 TRITON_TARGET = "oproj_triton_launch"
 TRITON_TRACED_TARGET = "oproj_triton_launch_traced"
@@ -61,39 +62,35 @@ BOOTSTRAP_SYMBOL = "OprojRegisterTargets"
 
 
 class Stages(NamedTuple):
-    """A target's exported handler symbols per execution stage (None: the stage is not used)."""
+    """A target's exported handler symbols per execution stage (None: the stage is not used).
+    Every target is graph-safe: XLA may put its calls into a command buffer (a CUDA graph)."""
 
-    initialize: str | None
-    execute: str
-    record: str | None  # inside XLA command buffers: graph nodes, updated in place
-    command_buffer: bool  # XLA may put the call into a command buffer (the handler is graph-safe)
+    execute: str  # outside command buffers: a launch on XLA's stream
+    # inside command buffers: graph nodes with PDL edges, updated in place when XLA hands new
+    # buffers; None for the targets of many tokens (RECORD_MAX_T), which XLA traces by stream capture
+    record: str | None
+    # a traced target's module load, ahead of the capture; a target with a record stage has none:
+    # XLA would run it at every execution of every call site (host time per call), and its record
+    # stage hands XLA the cubin (or loads the module before it asks XLA to capture execute
+    # instead), while execute outside command buffers loads it on first use
+    initialize: str | None = None
     instantiate: str | None = None  # makes the per-call-site state the other stages read
 
 
-# The library's targets: the one table both registration paths read.
+# The library's targets: the one table both registration paths (bootstrap, lowering only) read.
 SYMBOLS = {
-    ONESHOT_TARGET: Stages("OprojOneshotInitialize", "OprojOneshotExecute", "OprojOneshotRecord", True),
-    TWOSHOT_TARGET: Stages("OprojTwoshotInitialize", "OprojTwoshotExecute", "OprojTwoshotRecord", True),
-    READY_TARGET: Stages("OprojOneshotInitialize", "OprojReadyExecute", "OprojReadyRecord", True),
-    READY_TRACED_TARGET: Stages("OprojOneshotInitialize", "OprojReadyExecute", None, True),
-    PEER_TARGET: Stages("OprojPeerInitialize", "OprojPeerExecute", "OprojPeerRecord", True, "OprojPeerInstantiate"),
-    TRITON_TARGET: Stages("OprojTritonInitialize", "OprojTritonExecute", "OprojTritonRecord", True),
-    TRITON_TRACED_TARGET: Stages("OprojTritonInitialize", "OprojTritonExecute", None, True),
+    ONESHOT_TARGET: Stages("OprojOneshotExecute", "OprojOneshotRecord"),
+    TWOSHOT_TARGET: Stages("OprojTwoshotExecute", "OprojTwoshotRecord"),
+    READY_TARGET: Stages("OprojReadyExecute", "OprojReadyRecord"),
+    READY_TRACED_TARGET: Stages("OprojReadyExecute", None, "OprojOneshotInitialize"),
+    PEER_TARGET: Stages("OprojPeerExecute", "OprojPeerRecord", instantiate="OprojPeerInstantiate"),
+    TRITON_TARGET: Stages("OprojTritonExecute", "OprojTritonRecord"),
+    TRITON_TRACED_TARGET: Stages("OprojTritonExecute", None, "OprojTritonInitialize"),
 }
-# How the targets meet XLA's command buffers (CUDA graphs); set before the first cute call.
-#   "record"  graph-safe targets enter command buffers through their record stage: graph nodes
-#             with PDL edges, updated in place when XLA hands new buffers (the default);
-#   "traced"  the same targets without the record stage: XLA traces their execute stage by
-#             stream capture into a child graph, again whenever their buffers move;
-#   "direct"  no target enters a command buffer: each call is launched on the stream by its
-#             execute stage, between XLA's graphs.
-# The last two exist for A/B measurements (benchmarks/record.py, python -m oproj_jax.bench
-# --registration); docs/perf.md has what each costs.
-REGISTRATIONS = ("record", "traced", "direct")
-REGISTRATION = "record"
+COMMAND_BUFFER_COMPATIBLE = 1  # XLA_FFI_Handler_Traits: every target's traits
 
 _HERE = pathlib.Path(__file__).resolve().parent
-SOURCE_DIR = _HERE / "csrc"
+SOURCE_DIR = ffi_build.SOURCE_DIR  # the C++ sources: ffi/ of the checkout, or the package's _ffi/
 DEFAULT_LIBRARY = _HERE.parent / "_lib" / ffi_build.LIBRARY_NAME
 BUILD_COMMAND = "python -m oproj_jax.build --ffi-only"
 LIBRARY_ENV = "OPROJ_JAX_FFI_LIBRARY"  # a built library to load instead of DEFAULT_LIBRARY
@@ -103,19 +100,11 @@ _library: ctypes.CDLL | None = None
 _registered = False
 
 
-cuda_include_dir = ffi_build.cuda_include_dir  # kept here for callers of the old name
-
-
 def build_library(out_dir: str | os.PathLike | None = None) -> pathlib.Path:
-    """Compiles csrc/*.cc into `out_dir`/liboproj_ffi.so (default oproj_jax/_lib/) against the
-    jaxlib in use (`jax.ffi.include_dir()`); returns its path. RuntimeError naming what is missing."""
+    """Compiles the C++ sources (SOURCE_DIR) into `out_dir`/liboproj_ffi.so (default oproj_jax/_lib/)
+    against the jaxlib in use (`jax.ffi.include_dir()`); returns its path. RuntimeError naming what is missing."""
     target = DEFAULT_LIBRARY if out_dir is None else pathlib.Path(out_dir) / DEFAULT_LIBRARY.name
     return ffi_build.compile_library(target, jaxlib_include=jax.ffi.include_dir())
-
-
-def sources_list() -> list[pathlib.Path]:
-    """The C++ translation units of the library, in a fixed order."""
-    return ffi_build.sources()
 
 
 def library_path() -> pathlib.Path:
@@ -183,30 +172,21 @@ def _address(library: ctypes.CDLL, symbol: str | None) -> int:
     return 0 if symbol is None else ctypes.cast(getattr(library, symbol), ctypes.c_void_p).value
 
 
-def _stage_table(registration: str) -> tuple[list[str | None], list[int]]:
+def _stage_table() -> tuple[list[str | None], list[int]]:
     """The five stage symbols (instantiate, prepare, initialize, execute, record) per target,
-    flattened, and the traits per target, for a registration mode (see REGISTRATION)."""
-    handlers, traits = [], []
+    flattened, and the traits per target: what the bootstrap call registers."""
+    handlers = []
     for stages in SYMBOLS.values():
-        graph = stages.command_buffer and registration != "direct"
-        record = stages.record if graph and registration == "record" else None
-        # With a record stage the initialize stage is left out: XLA runs initialize on every
-        # execution for every call site (host time per call), and such a target never needs its
-        # module loaded ahead: record hands XLA the cubin, and execute (outside command buffers,
-        # never captured) loads it on first use. A traced execute must not load it under
-        # capture: initialize does it first.
-        initialize = None if record or not graph and stages.record else stages.initialize
-        handlers += [stages.instantiate, None, initialize, stages.execute, record]
-        traits.append(int(graph))
-    return handlers, traits
+        handlers += [stages.instantiate, None, stages.initialize, stages.execute, stages.record]
+    return handlers, [COMMAND_BUFFER_COMPATIBLE] * len(SYMBOLS)
 
 
-def _bootstrap(library: ctypes.CDLL, device, registration: str) -> None:
-    """Runs the bootstrap call once on `device`: the library registers SYMBOLS (stages per
-    `registration`) with the CUDA plugin's XLA runtime (csrc/common.h)."""
+def _bootstrap(library: ctypes.CDLL, device) -> None:
+    """Runs the bootstrap call once on `device`: the library registers SYMBOLS with the CUDA
+    plugin's XLA runtime (ffi/common.h)."""
     capsule = jax.ffi.pycapsule(getattr(library, BOOTSTRAP_SYMBOL))
     jax.ffi.register_ffi_target(BOOTSTRAP_TARGET, capsule, platform="CUDA")
-    symbols, traits = _stage_table(registration)
+    symbols, traits = _stage_table()
     attributes = dict(
         names=",".join(SYMBOLS),
         handlers=np.array([_address(library, s) for s in symbols], np.int64),
@@ -230,17 +210,15 @@ def register_targets() -> None:
     with _lock:
         if _registered:
             return
-        if REGISTRATION not in REGISTRATIONS:
-            raise ValueError(f"oproj_jax.cute.ffi.REGISTRATION: expected one of {REGISTRATIONS}, got {REGISTRATION!r}")
         devices = _cuda_devices()
         if devices:
-            _bootstrap(library, devices[0], REGISTRATION)
+            _bootstrap(library, devices[0])
         else:  # lowering only (no device to run the bootstrap on): the record stage is never needed
             for name, stages in SYMBOLS.items():
                 handlers = {"execute": jax.ffi.pycapsule(getattr(library, stages.execute))}
                 if stages.initialize:
                     handlers["initialize"] = jax.ffi.pycapsule(getattr(library, stages.initialize))
-                jax.ffi.register_ffi_target(name, handlers, platform="CUDA", traits=int(stages.command_buffer))
+                jax.ffi.register_ffi_target(name, handlers, platform="CUDA", traits=COMMAND_BUFFER_COMPATIBLE)
         _registered = True
 
 

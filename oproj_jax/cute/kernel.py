@@ -23,10 +23,9 @@ Timeline of one CTA:
 
 The original kernel exchanges twice: block statistics before the rank sum, then mix.mix and
 mix.p after the softmax. Both of the latter are arithmetic on sums the first exchange can carry
-(the Gram matrix and b.p; row_stats), so one exchange after the rank sum replaces the two. On
-the H200 that took the second round trip off the critical path at small T (faster at T=1),
-at the price of a slightly slower T=64, where every CTA of a cluster now waits for its slowest
-sibling's mailbox before the mix (docs/perf.md, tuning history).
+(the Gram matrix and b.p; row_stats), so one exchange after the rank sum replaces the two: no
+second round trip on the critical path at small T, while every CTA of a cluster waits for its
+slowest sibling's mailbox before the mix (docs/perf.md, "The CuTe kernel").
 
 PDL: `griddepcontrol.launch_dependents` on entry; `griddepcontrol.wait` right after the
 shared-memory setup and BEFORE the first global read. The original kernel waits at exit, which is only
@@ -61,9 +60,8 @@ nothing is re-armed, so the mailbox is only read and may hold real -0.0 values. 
 adds +0.0 last, which turns an all-(-0.0) sum into +0.0 exactly as summing published data
 (-0 -> +0) would, and leaves every other sum unchanged: the prefix bits match either way.
 From READY_NC_MIN_T tokens on, those one-shot loads are non-coherent (ld.global.nc: the data
-cannot change during the kernel, which is what .nc requires). On the H200 that was faster at
-T=64 and slower at T=16 and T=32 (docs/perf.md, tuning history): fewer tokens keep the
-volatile load.
+cannot change during the kernel, which is what .nc requires); below that the volatile load
+is the faster one (docs/perf.md).
 """
 
 from __future__ import annotations
@@ -72,6 +70,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
+from oproj_jax.abi import STATUS_MAILBOX, STATUS_RECV, STATUS_REFUSED
 from oproj_jax.cute import primitives as P
 from oproj_jax.cute import row_stats
 
@@ -79,8 +78,6 @@ CTAS = 7  # cluster: the CTAs of one token
 THREADS = 128  # per group; one group covers 1/7 of the row
 VEC = 8  # bf16 elements per thread (16 bytes)
 ROW_BYTES = THREADS * VEC * 2  # one CTA's slice of one [H] row in smem
-STATUS_MAILBOX, STATUS_RECV = 1, 2
-STATUS_REFUSED = 8  # protocol mode with a control block: the group had failed before the call
 NAN_WORD = 0x7FC07FC0  # two bf16 quiet NaNs: what a fragment given up on reads as
 # trace builds (trace=True, never in the manifest): `status` points at [T, CTAS, TRACE_SLOTS] u64
 # timers: slots 0..13 %clock64 at the phase marks of `body`, 14/15 %globaltimer at entry/exit
@@ -165,8 +162,7 @@ class OprojConsumer:
         """cp.async 16 bytes of the CTA's slice of a global row into smem row `row`, swizzled as
         self.chunk says. Thread t writes smem chunk t and reads the global chunk that belongs
         there (t ^ (row % 8), in the same 128-byte line): the warp still reads its 4 whole lines
-        and its smem destinations stay linear (a permuted destination was no faster on
-        the H200)."""
+        and its smem destinations stay linear (a permuted destination gains nothing)."""
         P.cp_async16(smem + self.layout.pf + row * ROW_BYTES + t * 16, slice_start + (t ^ (row % 8)) * 16)
 
     def fragment(self, smem, row, t):  # 8 f32 from one 16-byte smem chunk
@@ -554,7 +550,7 @@ class OprojConsumer:
         return dict(grid=[CTAS, T, 1], block=[self.threads, 1, 1], cluster=[CTAS, 1, 1],
                     smem=self.smem_bytes, stream=stream, use_pdl=True,
                     # carveout -1 (no preference; set only so that the DSL does not query a GPU for
-                    # min_blocks_per_mp): a max-shared carveout measured 16 % slower at T=4096
+                    # min_blocks_per_mp); a max-shared carveout is slower at large T
                     min_blocks_per_mp=self.min_ctas, preferred_smem_carveout=-1)
 
     @cute.jit

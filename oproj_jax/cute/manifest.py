@@ -5,8 +5,8 @@ No CuTe DSL import here: the FFI side reads the manifest on machines without the
 Directory: $OPROJ_JAX_CUBIN_DIR if set, else the package's `oproj_jax/cute/cubins/`.
 `manifest.json` there (written by `oproj_jax.cute.build`):
   {"arch": "sm_90a", "cutlass_dsl": "4.8.1", "H": 7168,
-   "kernels": [{"key": {...}, "min_ctas": 0, "fold": false, "cubin": "...", "entry": "...",
-                "dynamic_smem_bytes": N, "block": [128*groups or 128, 1, 1], "cluster": [7, 1, 1],
+   "kernels": [{"key": {...}, "min_ctas": 0, "fold": true, "cubin": "...", "entry": "...",
+                "dynamic_smem_bytes": N, "block": [128, 1, 1], "cluster": [7, 1, 1],
                 "params": [".u64", ...]}],
    "publish": {"cubin": "oproj_publish.cubin", "entry": "...", "block": [128, 1, 1],
                "params": [...]},   (mode="peer"'s publish kernel, cute/publish.py)
@@ -108,8 +108,8 @@ def normalize_key(key) -> dict:
 def effective_groups(R: int, groups: int, twoshot: bool = False) -> int:
     """The groups that own at least one slot: (R, groups) and (R, effective_groups) sum in the
     same order (docs/spec.md, "Summation order": it depends only on S = ceil(slots/groups)), so
-    they give the same bits and share one cubin; the grouped build then also launches no idle
-    thread group. A twoshot kernel polls one slot (the gather row): always 1.
+    they give the same bits and share one cubin. A twoshot kernel polls one slot (the gather
+    row): always 1.
 
     S' = ceil(slots/G') equals S for G' = ceil(slots/S): G' <= G gives S' >= S, and
     G' >= slots/S gives S' <= S."""
@@ -138,80 +138,51 @@ def load_manifest(directory=None) -> dict:
 
 
 class Build(NamedTuple):
-    """How one key is compiled: the launch bound and the thread layout (kernel.OprojConsumer)."""
+    """How a key is compiled: kernel.OprojConsumer's launch bound and thread layout, which
+    build.compile_variant takes and every manifest entry records ("min_ctas", "fold")."""
 
     min_ctas: int = 0  # CTAs per SM the register allocation must allow (ptxas); 0 = no bound
     fold: bool = False  # 128 threads per CTA, one group doing every polling group's work
 
-    @property
-    def tag(self) -> str:  # cubin name suffix and the build CLI's spelling
-        return ("f" if self.fold else "m") + str(self.min_ctas)
 
-
-# The builds of a key (timings of each on the H200: docs/perf.md):
-#   grouped, no bound (128 * groups threads, a thread group per rank range: the original
-#       kernel's layout): the faster grouped build up to 64 tokens;
-#   grouped, min_ctas=3: fewer registers (a few bytes spilled) and more resident clusters, so
-#       the faster grouped build for many tokens;
-#   folded, no bound (128 threads): fewer threads, no hand-off between groups and more
-#       resident clusters, faster than both grouped builds at every T measured.
-# The folded build serves both modes: ready mode (XLA produced the mailbox: nothing to poll)
-# and protocol mode, where its one group polls and re-arms every slot itself (kernel.py,
-# "FOLDED"). So one cubin per key serves every path, and the default set ships the grouped
-# builds only for the keys the GPU tests and benchmarks compare them on (build.py).
-# The consumer's PTX parameter list (cute/ABI.md), written once: build.py checks every compiled
-# entry against it, backend.py every manifest entry it launches.
-ABI_COMMON = [".u64"] * 10 + [".f32", ".f32", ".u32", ".u32"]  # params 0..13
-ABI_ONESHOT = ABI_COMMON + [".u64"]  # param 14: control
-ABI_TWOSHOT = ABI_COMMON + [".u64", ".u64", ".u32"]  # params 14..16
-
-GROUPED, GROUPED_BOUNDED, FOLDED = Build(0), Build(3), Build(0, True)
-BUILDS = (GROUPED, GROUPED_BOUNDED, FOLDED)
-# The build protocol mode (backend.consume, consume_twoshot, mode="peer") launches. Set it to
-# GROUPED or GROUPED_BOUNDED for an A/B comparison (python -m oproj_jax.bench.tp
-# --protocol-build m0); it is read when a call is traced, so set it before the first trace.
-PROTOCOL_BUILD = FOLDED
-
-
-def build_for(T: int, ready: bool) -> Build:
-    """The build that serves a call with T tokens, in ready mode (the folded one) or in
-    protocol mode (PROTOCOL_BUILD). No build depends on T today; callers pass it so that a
-    choice by token count needs no change on their side."""
-    return FOLDED if ready else PROTOCOL_BUILD
-
-
-def parse_build(text: str) -> Build:
-    """ "m3" -> Build(3), "f0" -> Build(0, fold=True); ValueError naming the text otherwise."""
-    if len(text) >= 2 and text[0] in "mf" and text[1:].isdigit():
-        return Build(int(text[1:]), text[0] == "f")
-    raise ValueError(f"build: expected m<min_ctas> or f<min_ctas> (e.g. m0, m3, f0), got {text!r}")
+# The one build every path launches (ready mode, protocol mode, mode="peer", every T): the
+# folded layout, no launch bound. Its one thread group polls and re-arms every slot itself
+# (kernel.py, "FOLDED"): fewer threads than the grouped layout (128 * groups), no hand-off
+# between groups and more resident clusters, faster at every T measured on the H200
+# (docs/perf.md). The manifest and the compile-on-first-use cache hold only this build.
+FOLDED = Build(0, fold=True)
+# The kernel's grouped layout: never built or launched. It is named here only because it is the
+# default `build` of build.consumer_kernel and build.compile_variant, whose source text is part
+# of the cubin fingerprint (COMPILE_DEFINITIONS): editing it would make every manifest stale.
+GROUPED = Build()
 
 
 def entry_build(entry: dict) -> Build:
     return Build(int(entry.get("min_ctas", 0)), bool(entry.get("fold", False)))
 
 
-def _lookup(key: dict, build: Build) -> tuple:
-    return tuple(key[f] for f in KEY_FIELDS), build
-
-
 def index(manifest: dict) -> dict:
-    """(key fields, build) -> entry, for every entry: build it once where lookups are frequent."""
-    return {_lookup(normalize_key(e["key"]), entry_build(e)): e for e in manifest["kernels"]}
+    """key fields -> entry, for every FOLDED entry: build it once where lookups are frequent."""
+    return {
+        tuple(normalize_key(e["key"])[f] for f in KEY_FIELDS): e
+        for e in manifest["kernels"]
+        if entry_build(e) == FOLDED
+    }
 
 
-def find(manifest: dict, key, build: Build = GROUPED, entries: dict | None = None) -> dict | None:
-    """The manifest entry for `key` (a dict of KEY_FIELDS) compiled as `build`, or None if that
-    variant was not built. `entries`: index(manifest), if the caller keeps one."""
+def find(manifest: dict, key, entries: dict | None = None) -> dict | None:
+    """The manifest entry for `key` (a dict of KEY_FIELDS), or None if that variant was not
+    built. `entries`: index(manifest), if the caller keeps one."""
     entries = index(manifest) if entries is None else entries
-    return entries.get(_lookup(normalize_key(key), build))
+    k = normalize_key(key)
+    return entries.get(tuple(k[f] for f in KEY_FIELDS))
 
 
 PUBLISH_CUBIN = "oproj_publish.cubin"
 
 
 def find_publish(manifest: dict) -> dict | None:
-    """The publish kernel's entry (mode="peer"), or None if the manifest predates it."""
+    """The publish kernel's entry (mode="peer"), or None if the manifest has none."""
     return manifest.get("publish")
 
 

@@ -5,7 +5,7 @@ consumer a complete mailbox. Here each rank's partial goes straight from its GPU
 of every rank's mailbox, and each rank's consumer polls its own mailbox (the kernel's Lamport
 protocol, docs/spec.md "Mailbox protocol"): no XLA collective, one FFI call per rank and step.
 
-Design (C++: oproj_jax/cute/csrc/peer_ffi.cc, which has the exact safety, progress and
+Design (C++: ffi/cute_peer.cc, which has the exact safety, progress and
 deadlock-freedom arguments; docs/spec.md "Peer mode"):
   * The mailboxes belong to the FFI handler, not to XLA: a rank's partial must land in another
     GPU's buffer that the other rank's XLA program does not know about. Per group of devices
@@ -33,7 +33,7 @@ deadlock-freedom arguments; docs/spec.md "Peer mode"):
     compile skew never reaches timeout_us.
 
 Bits: every rank sums the same R slots in the same rank/group order as mode="oneshot" with
-the same `groups` (the grouped build sums exactly as the folded build ready mode uses), so the
+the same `groups` (the same folded cubin as oneshot's, in protocol mode), so the
 prefix is bit-identical to oneshot's on every rank, and the output too (same kernel arithmetic).
 
 Processes: a group runs either in one process driving all its GPUs, or with one rank per
@@ -63,8 +63,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oproj_jax import processes
-from oproj_jax.api import Dims
+from oproj_jax import abi, processes
+from oproj_jax.abi import STATUS_CLOSED, STATUS_MAILBOX, STATUS_REFUSED, STATUS_UNARMED
+from oproj_jax.contract import Dims
 from oproj_jax.cute import backend, ffi, peer_ipc
 from oproj_jax.cute import manifest as cute_manifest
 from oproj_jax.options import Options
@@ -77,13 +78,9 @@ GROUP_COUNT_SYMBOL, ALLOCATED_SYMBOL, FAILED_SYMBOL = (
     "OprojPeerAllocatedBytes",
     "OprojPeerFailed",
 )
-# Status bits (PeerResult.status is the OR of the consumer's word and the publish kernel's word)
-STATUS_EMPTY_SLOT = 1  # the consumer: a slot stayed empty (kernel.STATUS_MAILBOX)
-STATUS_UNARMED = 4  # the publish kernel: a peer never re-armed its slot (publish.STATUS_UNARMED)
-STATUS_REFUSED = 8  # both: the group had failed before the call; it wrote NaN only (kernel/publish.STATUS_REFUSED)
-STATUS_CLOSED = 16  # the group was closed by close(); with STATUS_REFUSED (csrc/peer_ffi.cc kClosed)
+# PeerResult.status is the OR of the consumer's word and the publish kernel's word (abi.STATUS_*)
 _STATUS = {
-    STATUS_EMPTY_SLOT: "a mailbox slot stayed empty: a rank did not publish its partial in time",
+    STATUS_MAILBOX: "a mailbox slot stayed empty: a rank did not publish its partial in time",
     STATUS_UNARMED: "a peer never re-armed its slot: its consumer of the previous step did not run in time, so "
     "this rank's partial was not stored there",
     STATUS_REFUSED: "refused: an earlier step of the group failed, so every later step only writes NaN until "
@@ -91,8 +88,6 @@ _STATUS = {
     STATUS_CLOSED: "the group was closed by oproj_jax.cute.peer.close(): trace the step again (a new jax.jit) to "
     "reopen it",
 }
-# cute/publish.py PUBLISH_PARAMS: src, dest_0..15, n_dest, flags, fragments, timeout_us, control
-PUBLISH_PARAMS = [".u64"] * (1 + MAX_RANKS) + [".u32", ".u64", ".u32", ".u32", ".u64"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +138,7 @@ class PeerResult(NamedTuple):
     output: jax.Array  # [T, H] bf16
     xmoe: jax.Array | None  # [reps, T, H] bf16, None when reps == 0
     status: jax.Array  # i32, one word per device in mesh order (rank order on a 1-D mesh): 0 = ok, else
-    # the OR of STATUS_EMPTY_SLOT (1), STATUS_UNARMED (4), STATUS_REFUSED (8), STATUS_CLOSED (16)
+    # the OR of STATUS_MAILBOX (1), STATUS_UNARMED (4), STATUS_REFUSED (8), STATUS_CLOSED (16)
 
 
 # ---- what the mode needs ----------------------------------------------------------------------
@@ -156,7 +151,7 @@ def _publish_kernel() -> tuple[str, str]:
         raise ValueError(f"no CuTe cubins/manifest found ({where})")
     manifest = parsed[0]
     entry = cute_manifest.find_publish(manifest)
-    if entry is None or entry.get("params") != PUBLISH_PARAMS:
+    if entry is None or entry.get("params") != abi.ptx(abi.PUBLISH):
         raise ValueError(
             f"the manifest in {where} has no (current) publish kernel for mode='peer'; rebuild the "
             f"cubins with `{backend.BUILD_COMMAND}`"
@@ -266,7 +261,7 @@ def consume(
 
 
 def describe_status(code: int) -> str:
-    """What a nonzero status word means (its bits: STATUS_EMPTY_SLOT, STATUS_UNARMED)."""
+    """What a nonzero status word means (its bits: STATUS_MAILBOX, STATUS_UNARMED)."""
     parts = [f"{bit}: {text}" for bit, text in _STATUS.items() if code & bit]
     unknown = code & ~sum(_STATUS)
     if unknown:

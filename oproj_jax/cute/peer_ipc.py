@@ -3,7 +3,7 @@
 With one process per GPU (jax.distributed), a rank's publish kernel must store into mailboxes
 that other processes allocated. Those processes' memory reaches this one through legacy CUDA
 IPC: each process allocates and arms its own rank's mailbox and exports a 64-byte handle
-(OprojPeerExport in csrc/peer_ffi.cc), the handles travel through jax.distributed's key-value
+(OprojPeerExport in ffi/cute_peer.cc), the handles travel through jax.distributed's key-value
 store, and each process maps the others' mailboxes into its device's context
 (OprojPeerImport). From then on the FFI stages see the group as they see a group of one
 process, and the protocol (peer.py, docs/spec.md "Mailbox protocol") is the same.

@@ -12,7 +12,7 @@ into every destination found empty, so a round costs one remote load latency, no
 
 One mailbox per group and device, no epochs, nothing the host counts: the mailbox's state alone
 says whether a slot may be written, which is what lets the handler put the call into a CUDA graph
-(csrc/peer_ffi.cc has the safety, progress and deadlock-freedom arguments).
+(ffi/cute_peer.cc has the safety, progress and deadlock-freedom arguments).
 
 Bounded wait, fail-stop: every thread first reads the group's fail-stop word (control + 8,
 docs/spec.md "Mailbox protocol"); nonzero refuses the launch (nothing is published; status
@@ -31,7 +31,7 @@ after this grid completes) may set.
 Ordering (why `griddepcontrol.wait` comes before every load and store):
   * the partial comes from an XLA kernel with ordinary stores, visible only after the wait;
     flags may be memory the previous kernel on the stream still uses;
-  * this rank's previous step must be over (csrc/peer_ffi.cc): its consumer has read and
+  * this rank's previous step must be over (ffi/cute_peer.cc): its consumer has read and
     re-armed this rank's own mailbox, and its publish has landed in every destination, so
     a destination fragment holds either our previous data (not yet consumed: wait) or its
     owner's re-arm (free). Without the wait, two steps' publishes of one rank could overlap.
@@ -44,7 +44,7 @@ Stores are st.relaxed.sys: the data goes to other GPUs' memory, polled there by 
 either the sentinel or the final value of a word, never a torn one. The mailbox memory is
 ours (peer.py), never XLA's, so no XLA buffer is written behind XLA's back.
 
-Parameters (PTX .param order; PUBLISH_PARAMS): src u64, dest_0 .. dest_15 u64, n_dest i32,
+Parameters (PTX .param order; abi.PUBLISH): src u64, dest_0 .. dest_15 u64, n_dest i32,
 flags u64, fragments i32, timeout_us i32, control u64. Launch: grid (ceil(fragments / 128),
 1, 1), block (128, 1, 1), no cluster, PDL on.
 """
@@ -55,18 +55,13 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
+from oproj_jax import abi
+from oproj_jax.abi import STATUS_REFUSED, STATUS_UNARMED
 from oproj_jax.cute import primitives as P
 
-MAX_RANKS = 16  # destinations per launch: the mailbox slots of a TP group
+MAX_RANKS = abi.PUBLISH_MAX_RANKS  # destinations per launch: the mailbox slots of a TP group
 THREADS = 128
 ENTRY_HINT = "publish"  # the kernel entry's name contains this (checked by build.py)
-PUBLISH_PARAMS = [".u64"] * (1 + MAX_RANKS) + [".u32", ".u64", ".u32", ".u32", ".u64"]
-# flags[2] after a launch: a destination slot was never re-armed within timeout_us microseconds. A bit
-# of its own (the consumer stores 1 into flags[0]), so peer.py can OR the two words.
-STATUS_UNARMED = 4
-# flags[2]: the group had failed before the launch (its fail-stop word at control + 8 was set):
-# nothing was published (kernel.STATUS_REFUSED, the consumer's bit for the same state)
-STATUS_REFUSED = 8
 _U4 = (Uint32, Uint32, Uint32, Uint32)
 
 
@@ -129,7 +124,7 @@ def _report(control, flags, code):
 
 
 def compile_args() -> list:
-    """Placeholder arguments of `Publish.launch` in PUBLISH_PARAMS order (before the stream), for
+    """Placeholder arguments of `Publish.launch` in abi.PUBLISH order (before the stream), for
     cute.compile (build.py, tests): only their types reach the kernel."""
     return [Int64(0)] * (1 + MAX_RANKS) + [Int32(0), Int64(0), Int32(1), Int32(0), Int64(0)]
 

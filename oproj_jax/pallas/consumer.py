@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from oproj_jax.api import ConsumerResult, Dims
+from oproj_jax.contract import ConsumerResult, Dims
 from oproj_jax.options import NAMES, Options
 from oproj_jax.pallas import cluster_dots
 

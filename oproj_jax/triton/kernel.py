@@ -11,16 +11,12 @@ constexpr. Offsets are int64 (R * T * H overflows int32 at large T).
                      sum, the new prefix and the dot products s_i.w and Gram matrix s_i.s_j of
                      the NB + 1 sources (blocks, then the new prefix p), then the output from
                      the softmax weights alpha and y.y = alpha^T G alpha.
-  split_sum_kernel   grid (T, C): the first pass over one chunk of columns per program; each
-                     chunk's dot products go to a scratch record.
-  split_out_kernel   grid (T, C): adds the chunks' records in chunk order, so every program of a
-                     token derives the same weights, then writes its chunk of the output.
   sync_kernel        grid (C, T): C programs per token in one launch, meeting at two barriers
                      in global memory (arrival counters, zero at launch and left at zero): after the dot
                      products and squares of their chunks (for the weights), after y.y (for
                      the output scale); each keeps its blocks and prefix in registers.
 
-Variants and their launch parameters: plan.py.
+Which kernel runs, and its launch parameters: plan.py.
 
 Rounding: bf16 <-> f32 conversions are done on the bits (to nearest, ties to even, by hand):
 the GPU's cvt.rn.bf16.f32 rounds so too, Triton's interpreter truncates, and the interpreter
@@ -181,7 +177,7 @@ def row_kernel(
     _store_output(output, xmoe, t, T, offs, mask, (y * scale) * on, REPS, H)
 
 
-# ---- tile and split: dot products and a Gram matrix over column tiles -------------------------
+# ---- tile: dot products and a Gram matrix over column tiles -----------------------------------
 #
 # Sources are rows of a [SOURCES, SUB] tile: block i < NB, the new prefix p at row NB, zero rows
 # after. Per token: dots_i = s_i.w and gram_ij = s_i.s_j over all columns; then the softmax
@@ -318,83 +314,6 @@ def tile_kernel(
     for k in range(0, H, SUB):
         offs = k + tl.arange(0, SUB)
         _out_tile(prefix_out, blocks, out_norm, output, xmoe, t, T, offs, offs < H, alpha, scale, NB, H, REPS, SOURCES)
-
-
-@triton.jit
-def split_sum_kernel(
-    mailbox,
-    prefix_in,
-    blocks,
-    norm,
-    query,
-    prefix_out,
-    stats,
-    R: tl.constexpr,
-    NB: tl.constexpr,
-    H: tl.constexpr,
-    GROUPS: tl.constexpr,
-    HAS_DELTA: tl.constexpr,
-    BLOCK: tl.constexpr,
-    SUB: tl.constexpr,
-    SOURCES: tl.constexpr,
-):
-    """Grid (T, C): chunk c of token t writes its prefix columns and its part of dots and gram
-    to stats[t, c] (SOURCES lanes of dots, then SOURCES * SOURCES of gram)."""
-    t = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    T = tl.num_programs(0).to(tl.int64)
-    dots = tl.zeros([SOURCES], tl.float32)
-    gram = tl.zeros([SOURCES, SOURCES], tl.float32)
-    for k in tl.static_range(0, BLOCK, SUB):
-        offs = c * BLOCK + k + tl.arange(0, SUB)
-        dots, gram = _sum_tile(
-            mailbox, prefix_in, blocks, norm, query, prefix_out, t, T, offs, offs < H, dots, gram,
-            R, NB, H, GROUPS, HAS_DELTA, SOURCES,
-        )  # fmt: skip
-    i = tl.arange(0, SOURCES)
-    real = i < NB + 1  # the padding lanes are never read
-    record = stats + (t * tl.num_programs(1) + c) * (SOURCES + SOURCES * SOURCES)
-    tl.store(record + i, dots, mask=real)
-    tl.store(record + SOURCES + i[:, None] * SOURCES + i[None, :], gram, mask=real[:, None] & real[None, :])
-
-
-@triton.jit
-def split_out_kernel(
-    prefix,
-    blocks,
-    out_norm,
-    stats,
-    output,
-    xmoe,
-    NB: tl.constexpr,
-    H: tl.constexpr,
-    REPS: tl.constexpr,
-    EPS: tl.constexpr,
-    OUT_EPS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    SUB: tl.constexpr,
-    SOURCES: tl.constexpr,
-    CHUNKS: tl.constexpr,
-):
-    """Grid (T, C): adds token t's chunk records in chunk order (every program of the token gets
-    the same bits, so the same weights), then writes chunk c of the output."""
-    t = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    T = tl.num_programs(0).to(tl.int64)
-    i = tl.arange(0, SOURCES)
-    real = i < NB + 1
-    dots = tl.zeros([SOURCES], tl.float32)
-    gram = tl.zeros([SOURCES, SOURCES], tl.float32)
-    for chunk in tl.static_range(CHUNKS):
-        record = stats + (t * CHUNKS + chunk) * (SOURCES + SOURCES * SOURCES)
-        dots += tl.load(record + i, mask=real, other=0.0)
-        gram += tl.load(
-            record + SOURCES + i[:, None] * SOURCES + i[None, :], mask=real[:, None] & real[None, :], other=0.0
-        )
-    alpha, scale = _mix(dots, gram, NB, H, EPS, OUT_EPS, SOURCES)
-    for k in tl.static_range(0, BLOCK, SUB):
-        offs = c * BLOCK + k + tl.arange(0, SUB)
-        _out_tile(prefix, blocks, out_norm, output, xmoe, t, T, offs, offs < H, alpha, scale, NB, H, REPS, SOURCES)
 
 
 # ---- sync: a token's programs in one launch, meeting at barriers ------------------------------

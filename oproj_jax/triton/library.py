@@ -1,4 +1,4 @@
-"""The lowering of a Triton launch through the package's own FFI target (csrc/launch_ffi.cc).
+"""The lowering of a Triton launch through the package's own FFI target (ffi/triton_launch.cc).
 
 jaxlib's Triton kernel call enters XLA's command buffers by stream capture, traced again each
 time XLA hands the call new buffers; this target has a record stage (a kernel node whose
@@ -28,20 +28,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from oproj_jax import disk_cache
 from oproj_jax.cute import ffi
 from oproj_jax.triton import plan as launch_plan
 
 TARGET = ffi.TRITON_TARGET  # record stage: a graph node, updated in place
 TRACED_TARGET = ffi.TRITON_TRACED_TARGET  # no record stage: traced by stream capture
 RECORD_MAX_T = ffi.RECORD_MAX_T  # above it the launch names TRACED_TARGET (ffi.py says why)
-CACHE_ENV = "OPROJ_JAX_CACHE_DIR"
+CACHE_ENV = disk_cache.ENV_CACHE_DIR  # "OPROJ_JAX_CACHE_DIR"
+# How long a process waits for another that stores the same cubin (a write of a few hundred KiB)
+# before it gives up with a TimeoutError naming the lock file.
+LOCK_TIMEOUT_S = 60.0
 POINTER_TYPES = {np.dtype(jnp.bfloat16): "*bf16", np.dtype(np.float32): "*fp32", np.dtype(np.int32): "*i32"}
 
 
 def cache_dir() -> pathlib.Path:
-    """Where compiled cubins are kept: $OPROJ_JAX_CACHE_DIR/triton, else ~/.cache/oproj_jax/triton."""
-    root = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "oproj_jax")
-    return pathlib.Path(root) / "triton"
+    """Where compiled cubins are kept: $OPROJ_JAX_CACHE_DIR/triton, else
+    platformdirs.user_cache_dir("oproj_jax")/triton ($XDG_CACHE_HOME/oproj_jax/triton, else
+    ~/.cache/oproj_jax/triton on Linux)."""
+    env = os.environ.get(CACHE_ENV)
+    return (pathlib.Path(env) if env else disk_cache.user_cache_root()) / "triton"
 
 
 class Image(NamedTuple):
@@ -84,9 +90,9 @@ def compile_launch(launch: launch_plan.Launch, pointer_types: tuple[str, ...], c
     path = cache_dir() / f"{meta.name}-{hashlib.sha256(image).hexdigest()[:24]}.cubin"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_bytes(image)
-        os.replace(partial, path)  # atomic: another process never reads half a file
+        with disk_cache.locked(path.with_suffix(".lock"), LOCK_TIMEOUT_S, f"storing the Triton cubin {path.name}"):
+            if not path.is_file():  # stored meanwhile by the process this one waited for
+                disk_cache.write_atomically(path, image)  # another process never reads half a file
     return Image(str(path), meta.name, int(meta.shared), 32 * meta.num_warps, extra)
 
 

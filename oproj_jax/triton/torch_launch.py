@@ -3,13 +3,13 @@
     from oproj_jax.triton import torch_launch
     prefix, output, xmoe = torch_launch.consumer(mailbox, prefix, blocks, norm, query, out_norm, groups=4)
 
-`prefix` is updated in place (and returned); output and xmoe are new tensors. One launch (row,
-tile and sync variants; sync after zeroing its arrival counters unless the caller keeps them,
-`arrivals`) or two (split variants) on the current stream, no host synchronization: the call can
-be captured in a CUDA graph. On sm_90 and newer the sync kernel is launched with programmatic
-dependent launch, so in a CUDA graph of consecutive calls each launch overlaps the end of the one
-before. With TRITON_INTERPRET=1 in the environment before kernel.py is imported, the kernels
-run in Triton's interpreter on CPU tensors (slow; for tests).
+`prefix` is updated in place (and returned); output and xmoe are new tensors. One launch on the
+current stream (the sync kernel's after zeroing its arrival counters, unless the caller keeps
+them: `arrivals`), no host synchronization: the call can be captured in a CUDA graph. On sm_90
+and newer the sync kernel is launched with programmatic dependent launch, so in a CUDA graph of
+consecutive calls each launch overlaps the end of the one before. With TRITON_INTERPRET=1 in the
+environment before kernel.py is imported, the kernels run in Triton's interpreter on CPU tensors
+(slow; for tests).
 
 A decode loop keeps the counters:
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 
 from oproj_jax.options import Options, takes_options
-from oproj_jax.torch_ref import TorchResult, check_tensors
+from oproj_jax.contract import TorchResult, check_tensors
 from oproj_jax.triton import kernel
 from oproj_jax.triton import plan as launch_plan
 
@@ -106,10 +106,10 @@ def consumer(
 ) -> TorchResult:
     """The arguments and options of oproj_jax.consumer, as bf16 torch.Tensors (see the module
     docstring). Returns TorchResult(prefix (the argument, updated), output, xmoe or None).
-    `variant`: a name of plan.VARIANTS, None for the default rule (plan.default_variant).
+    `variant`: a name of plan.VARIANTS in place of plan.default_variant's, for the tests.
     `arrivals`: the sync kernel's barrier counters, kept by the caller (arrival_counters: int32,
     >= 2 T of them, zero; the call leaves them at zero); None: zeroed counters for this call
-    (one more launch). Unused by the other variants. `pdl`: launch the sync kernel with
+    (one more launch). Unused by the row and tile kernels. `pdl`: launch the sync kernel with
     programmatic dependent launch; None: where the GPU has it (sm_90 or newer). Raises
     TypeError / ValueError naming the argument (dtype, shape, device, layout, option) before
     launching."""
@@ -136,21 +136,14 @@ def consumer(
     blocks_arg = blocks if NB else norm
     xmoe_arg = output if xmoe is None else xmoe
     with torch.cuda.device(prefix.device) if prefix.device.type == "cuda" else contextlib.nullcontext():
-        if plan.stats_shape is None:  # one program per token: one kernel
-            (single,) = plan.launches
-            _run(single, mailbox, prefix, blocks_arg, norm, query, out_norm, prefix, output, xmoe_arg)
-        elif plan.arrivals_shape is not None:  # sync: one kernel (interpreted: one launch per barrier stretch)
+        arrays = (mailbox, prefix, blocks_arg, norm, query, out_norm, prefix, output, xmoe_arg)
+        if plan.arrivals_shape is not None:  # sync: its scratch and arrival counters
             stats = torch.empty(plan.stats_shape, dtype=torch.float32, device=prefix.device)
             if arrivals is None:
                 arrivals = torch.zeros(plan.arrivals_shape, dtype=torch.int32, device=prefix.device)
-            arrays = (mailbox, prefix, blocks_arg, norm, query, out_norm, prefix, output, xmoe_arg, stats, arrivals)
-            for launch in plan.stages() if interpreted() else plan.launches:
-                _run(launch, *arrays)
-        else:
-            sums, outs = plan.launches
-            stats = torch.empty(plan.stats_shape, dtype=torch.float32, device=prefix.device)
-            _run(sums, mailbox, prefix, blocks_arg, norm, query, prefix, stats)
-            _run(outs, prefix, blocks_arg, out_norm, stats, output, xmoe_arg)
+            arrays += (stats, arrivals)
+        for launch in plan.stages() if interpreted() else (plan.launch,):  # interpreted sync: one per barrier stretch
+            _run(launch, *arrays)
     return TorchResult(prefix, output, xmoe)
 
 

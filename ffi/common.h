@@ -32,7 +32,7 @@ struct Driver {
   decltype(&::cuFuncSetAttribute) FuncSetAttribute = nullptr;
   CUresult (*LaunchKernelEx)(const CUlaunchConfig*, CUfunction, void**, void**) = nullptr;
   decltype(&::cuMemcpyDtoDAsync) MemcpyDtoDAsync = nullptr;
-  // mode="peer" (peer_ffi.cc): the group's mailboxes, allocated and armed once per group
+  // mode="peer" (cute_peer.cc): the group's mailboxes, allocated and armed once per group
   decltype(&::cuDeviceGet) DeviceGet = nullptr;
   decltype(&::cuDeviceCanAccessPeer) DeviceCanAccessPeer = nullptr;
   decltype(&::cuDevicePrimaryCtxRetain) DevicePrimaryCtxRetain = nullptr;
@@ -148,8 +148,8 @@ using RecordContext = ffi::internal::RecordContextBase<ffi::internal::ErrorPolic
 struct RecordExtension : ffi::internal::RecordExtensionBase<RecordContext> {};
 
 // The attributes every consumer variant carries. A call may name them in any order (they are
-// matched by name); a handler takes them as parameters in this order (consumer_ffi.cc;
-// peer_ffi.cc binds the publish kernel's after them).
+// matched by name); a handler takes them as parameters in this order (cute_consumer.cc;
+// cute_peer.cc binds the publish kernel's after them).
 #define OPROJ_ATTRS                                                                 \
   .Attr<std::string_view>("cubin")       /* absolute path of the variant's cubin */ \
       .Attr<std::string_view>("entry")   /* its kernel entry (mangled) name */      \

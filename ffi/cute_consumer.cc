@@ -9,8 +9,9 @@
 //               cached per (context, cubin, entry);
 //   record      (inside an XLA command buffer, i.e. a CUDA graph) turns the plan into graph
 //               nodes XLA owns and, when XLA hands new buffers, updates their arguments;
-//   initialize  (only where the record stage is not registered, see ffi.py) loads the module
-//               ahead, so that a traced execute never loads one under stream capture.
+//   initialize  (the ready target of many tokens, registered without a record stage:
+//               ffi.READY_TRACED_TARGET) loads the module ahead, so that its traced execute
+//               never loads one under stream capture.
 // No allocation, no synchronization in execute or record.
 //
 // `status` and `hints` are caller-owned 1-element buffers passed in and returned (aliased):
@@ -391,12 +392,6 @@ ffi::Error Initialize(ffi::RemainingArgs, ffi::RemainingRets, std::string_view c
   return fn.has_error() ? fn.error() : ffi::Error::Success();
 }
 
-ffi::Error TwoshotInitialize(ffi::RemainingArgs args, ffi::RemainingRets rets, std::string_view cubin,
-                             std::string_view entry, int64_t smem, int64_t block, float eps, float out_eps,
-                             int32_t timeout_us, bool pdl, ffi::Span<const int64_t> variant, int32_t) {
-  return Initialize(args, rets, cubin, entry, smem, block, eps, out_eps, timeout_us, pdl, variant);
-}
-
 }  // namespace
 
 #define OPROJ_BUFFERS                                                \
@@ -450,9 +445,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OprojReadyExecute, ReadyExecute, OPROJ_EXECUTE OPR
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OprojReadyRecord, ReadyRecord, OPROJ_RECORD OPROJ_READY_OPERANDS OPROJ_ATTRS,
                               {kCmdBuffer});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(OprojTwoshotInitialize, TwoshotInitialize,
-                              ffi::Ffi::BindInitialize().RemainingArgs().RemainingRets() OPROJ_ATTRS OPROJ_ME,
-                              {kCmdBuffer});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OprojTwoshotExecute, TwoshotExecute,
                               OPROJ_EXECUTE OPROJ_TWOSHOT_OPERANDS OPROJ_ATTRS OPROJ_ME, {kCmdBuffer});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OprojTwoshotRecord, TwoshotRecord,

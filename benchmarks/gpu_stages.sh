@@ -16,21 +16,20 @@
 #            XLA's default flags and command buffers off, one process each
 #   decode   the decode step with and without the consumer, cute and reference, carried and concat
 #            mailboxes, one process (python -m oproj_jax.bench --decode-step)
-#   triton   the Triton kernel's variants: checks, torch CUDA-graph and JAX timings
+#   triton   the Triton kernel at each T: checks, torch CUDA-graph and JAX timings
 #            (benchmarks/triton_gpu.py)
-#   triton-record  the Triton record: 3 runs of triton_gpu.py over the default variants, merged
-#            (benchmarks/triton_record.py: the median per T, launch and lowering); $TRITON_TOKENS
-#            (default 1,8,64,512,4096) the T to run
+#   triton-record  the Triton record: 3 runs of triton_gpu.py, merged (benchmarks/triton_record.py:
+#            the median per T and launch); $TRITON_TOKENS (default 1,8,64,512,4096) the T to run
 # Build first (python -m oproj_jax.build; pip wheel . --no-deps -w .whl) and carry
 # oproj_jax/_lib, oproj_jax/cute/cubins and .whl.
-# Usage on the GPU machine: bash benchmarks/gpu_session.sh OUTDIR checks,record,...
+# Usage on the GPU machine: bash benchmarks/gpu_stages.sh OUTDIR checks,record,...
 set -u
 out=${1:-${OUT:-/tmp/oproj_gpu}}
 stages=${2:-checks}
 mkdir -p "$out"
 # never NVLS / multicast (banned on these machines); no XLA preallocation: the peer handler
 # allocates its mailboxes beside XLA's pool, and several processes share the GPUs
-# .dev/site: pure-Python packages the GPU image lacks (jax-triton), carried from a CPU machine
+# .dev/site: pure-Python packages the GPU image lacks (jax-triton, platformdirs), copied from .venv/lib/python3.12/site-packages on a CPU machine and carried
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/.dev/site XLA_PYTHON_CLIENT_PREALLOCATE=false NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
 gpus=$(nvidia-smi -L | wc -l)
 nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
@@ -101,7 +100,7 @@ if has triton-record; then
   for i in 1 2 3; do
     mkdir -p "$out/triton-run$i"
     stage triton-run$i 150 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/triton_gpu.py --out "$out/triton-run$i" \
-      --tokens "${TRITON_TOKENS:-1,8,64,512,4096}" --defaults-only --budget 130 --buffers donated,rotated
+      --tokens "${TRITON_TOKENS:-1,8,64,512,4096}" --budget 130 --buffers donated,rotated
   done
   python3 benchmarks/triton_record.py --out "$out/triton-record.json" "$out"/triton-run*/*.json
   rm -rf "$out"/triton-run?

@@ -106,8 +106,7 @@
 // cluster) and the consumer node (cluster (7, 1, 1)) depending on it, both with PDL; when XLA
 // hands new buffers (partial, prefix, outputs) it updates their arguments. The mailboxes and
 // control blocks are this library's and never move, so a recorded graph stays valid until the
-// process ends. OprojPeerInitialize (used only where the record stage is not registered,
-// ffi.REGISTRATION "traced") allocates and loads the modules before XLA captures execute.
+// process ends.
 #include <cuda.h>
 
 #include <algorithm>
@@ -459,8 +458,8 @@ ffi::Error ShapeError(std::string_view name, std::string_view expected, ffi::Spa
 
 // Finds this device in the group table ([groups, R] CUDA ordinals, flattened): its row is the
 // group, its column `me`. With `check_context`, checked against the current context, whose
-// device the module cache and the launches use (execute, initialize; the record stage hands
-// XLA the cubin bytes and never launches itself).
+// device the module cache and the launches use (execute; the record stage hands XLA the cubin
+// bytes and never launches itself).
 ffi::ErrorOr<std::pair<Key, size_t>> FindGroup(int32_t ordinal, ffi::Span<const int64_t> table, int64_t ranks,
                                                bool check_context) {
   if (ranks < 1 || ranks > kMaxRanks) return Invalid("ranks: expected 1..16, got " + std::to_string(ranks));
@@ -735,21 +734,6 @@ ffi::Error PeerRecord(RecordContext ctx, int32_t ordinal, PEER_BUFFER_SIG, PEER_
   return consumer.has_error() ? consumer.error() : ffi::Error::Success();
 }
 
-// ---- initialize (only where the record stage is not registered) ---------------------------------
-// Allocates the group and loads both kernels before XLA may trace execute under stream capture.
-// (No first-call meeting where execute is traced: that registration is for A/B measurements.)
-ffi::Error PeerInitialize(int32_t ordinal, ffi::RemainingArgs args, ffi::RemainingRets, PEER_ATTR_SIG) {
-  if (block < 1 || block > 1024) return Invalid("block: expected 1..1024 threads, got " + std::to_string(block));
-  auto prefix = args.get<Bf16_2>(1);
-  if (prefix.has_error()) return prefix.error();
-  auto found = FindGroup(ordinal, group, ranks, true);
-  if (found.has_error()) return found.error();
-  if (auto route = GetRoute(found->first, found->second, max_tokens); route.has_error()) return route.error();
-  for (auto [path, name, bytes] : {std::tuple{cubin, entry, smem}, std::tuple{publish_cubin, publish_entry, int64_t(0)}})
-    if (auto fn = GetFunction(path, name, bytes); fn.has_error()) return fn.error();
-  return ffi::Error::Success();
-}
-
 // ---- instantiate: one state per call site -------------------------------------------------------
 ffi::ErrorOr<std::unique_ptr<Site>> PeerInstantiate(PEER_ATTR_SIG) { return std::make_unique<Site>(); }
 
@@ -780,13 +764,6 @@ ffi::ErrorOr<std::unique_ptr<Site>> PeerInstantiate(PEER_ATTR_SIG) { return std:
 
 // Graph-safe (file comment): every stage is compatible with XLA command buffers.
 constexpr auto kPeerCmdBuffer = ffi::Traits::kCmdBufferCompatible;
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(OprojPeerInitialize, PeerInitialize,
-                              ffi::Ffi::BindInitialize()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .RemainingArgs()
-                                  .RemainingRets() OPROJ_PEER_ATTRS,
-                              {kPeerCmdBuffer});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OprojPeerInstantiate, PeerInstantiate, ffi::Ffi::BindInstantiate() OPROJ_PEER_ATTRS,
                               {kPeerCmdBuffer});

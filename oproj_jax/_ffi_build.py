@@ -1,4 +1,4 @@
-"""Compiles the XLA FFI library (cute/csrc/*.cc, triton/csrc/*.cc -> liboproj_ffi.so) with g++; the standard library only.
+"""Compiles the XLA FFI library (the C++ sources of ffi/ -> liboproj_ffi.so) with g++; the standard library only.
 
 Two callers share this module: `oproj_jax.cute.ffi.build_library` (`python -m oproj_jax.build
 --ffi-only`, against the jaxlib in use) and the project's setup.py, which loads this file by
@@ -10,6 +10,11 @@ the oldest jaxlib that loads it).
 What the build needs: g++ (or $CXX), the jaxlib headers (`jaxlib/include`, which
 `jax.ffi.include_dir()` also returns) and `cuda.h` for the driver API types (libcuda itself is
 opened at run time, so no CUDA library is linked and no GPU is needed to build).
+
+Where the sources are (SOURCE_DIR): the checkout's top-level `ffi/` when this module runs from a
+checkout (an editable install, setup.py building a wheel or an sdist), else the copy setup.py
+ships inside the installed package (`oproj_jax/_ffi/`, in the wheel only), so that an installed
+package can rebuild its library against the jaxlib in use.
 """
 
 from __future__ import annotations
@@ -21,9 +26,21 @@ import shutil
 import subprocess
 
 LIBRARY_NAME = "liboproj_ffi.so"
-SOURCE_DIR = pathlib.Path(__file__).resolve().parent / "csrc"  # the CuTe targets and what all share (common.h)
-# The Triton launch target (oproj_jax/triton/csrc): the same library, the same common.h.
-SOURCE_DIRS = (SOURCE_DIR, SOURCE_DIR.parent.parent / "triton" / "csrc")
+PACKAGE_DIR = pathlib.Path(__file__).resolve().parent  # oproj_jax/
+CHECKOUT_SOURCE_DIR = PACKAGE_DIR.parent / "ffi"  # the checkout's: the CuTe and Triton targets, common.h
+PACKAGED_SOURCE_DIR = PACKAGE_DIR / "_ffi"  # the wheel's copy of them (setup.py's build_py)
+SOURCE_PATTERNS = ("*.cc", "*.h")  # what the wheel ships
+
+
+def _source_dir() -> pathlib.Path:
+    """CHECKOUT_SOURCE_DIR in a checkout (setup.py next to oproj_jax/), else PACKAGED_SOURCE_DIR."""
+    root = PACKAGE_DIR.parent
+    if (root / "setup.py").is_file() and (CHECKOUT_SOURCE_DIR / "common.h").is_file():
+        return CHECKOUT_SOURCE_DIR
+    return PACKAGED_SOURCE_DIR
+
+
+SOURCE_DIR = _source_dir()
 NO_FFI_ENV = "OPROJ_JAX_NO_FFI"  # setup.py: set to 1 to install without building the library
 
 
@@ -57,7 +74,12 @@ def cuda_include_dir() -> pathlib.Path | None:
 
 def sources() -> list[pathlib.Path]:
     """The C++ translation units of the library, in a fixed order."""
-    return [path for directory in SOURCE_DIRS for path in sorted(directory.glob("*.cc"))]
+    return sorted(SOURCE_DIR.glob("*.cc"))
+
+
+def shipped_sources() -> list[pathlib.Path]:
+    """What setup.py copies into the wheel's oproj_jax/_ffi/: the translation units and headers."""
+    return sorted({path for pattern in SOURCE_PATTERNS for path in SOURCE_DIR.glob(pattern)})
 
 
 def missing(jaxlib: bool = True) -> str | None:
@@ -80,7 +102,7 @@ def missing(jaxlib: bool = True) -> str | None:
 
 
 def compile_library(target: str | os.PathLike, jaxlib_include: str | os.PathLike | None = None) -> pathlib.Path:
-    """Compiles csrc/*.cc into the shared library `target`; returns its path. `jaxlib_include`:
+    """Compiles SOURCE_DIR/*.cc into the shared library `target`; returns its path. `jaxlib_include`:
     the jaxlib headers to build against (default: jaxlib_include_dir()). RuntimeError saying
     what is missing, or with the compiler's output when it fails."""
     target = pathlib.Path(target)

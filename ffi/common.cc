@@ -83,7 +83,7 @@ ffi::ErrorOr<CUfunction> LoadFunction(std::string_view cubin, std::string_view e
 
 // ---- launch -----------------------------------------------------------------------------------
 ffi::Error Launch(CUstream stream, const LaunchSpec& spec, void** params) {
-  // Loaded in the initialize stage; this lookup only hits the cache (no module load here).
+  // Loaded by the initialize stage (a traced target) or by the first call, then a cache hit.
   auto fn = GetFunction(spec.cubin, spec.entry, spec.smem);
   if (fn.has_error()) return fn.error();
   CUlaunchAttribute attrs[2] = {};
