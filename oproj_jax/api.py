@@ -20,6 +20,7 @@ import warnings
 import jax
 
 from oproj_jax.contract import ConsumerResult, Dims, check_arguments
+from oproj_jax.cute import manifest as cute_manifest
 from oproj_jax.options import DEFAULTS, Options, takes_options
 
 # Name -> module. Order matters for "auto": the first kernel that runs and handles the shape.
@@ -38,11 +39,16 @@ def _module(name: str):
     return importlib.import_module(_BACKENDS[name])
 
 
-# The cute and pallas kernels are Hopper code (sm_90a cubins; Mosaic GPU TMA, wgmma and
-# clusters): on a GPU they run only on devices of this CUDA compute capability. The Triton kernel
-# is compiled for the device it runs on, from this compute capability on (bf16 arithmetic).
+# The pallas kernel is Hopper code (Mosaic GPU TMA, wgmma and clusters): on a GPU it runs only on
+# devices of this CUDA compute capability. The cute kernel runs where its cubins are built for the
+# device's compute capability (cute/manifest.py ARCHS: sm_90a for 9.0, sm_100a for 10.0). The
+# Triton kernel is compiled for the device it runs on, from this compute capability on (bf16
+# arithmetic).
 KERNEL_CAPABILITY = "9.0"
 TRITON_MIN_CAPABILITY = (8, 0)
+# auto picks cute only on the compute capabilities its cubins have run on: the sm_100a cubins have
+# not run on a 10.0 GPU yet, so there auto keeps choosing Triton and backend="cute" runs them (opt-in).
+CUTE_AUTO_CAPABILITIES = ("9.0",)
 
 
 def _is_gpu(platform: str) -> bool:
@@ -63,9 +69,15 @@ def _capability(value) -> tuple[int, ...] | None:
         return None
 
 
-def capability_reason(devices, kernel: str = "cute") -> str | None:
-    """None if every device is a CUDA GPU that backend `kernel` runs on (cute, pallas: compute
-    capability KERNEL_CAPABILITY; triton: TRITON_MIN_CAPABILITY or newer), else why not."""
+def _cute_opt_in(capability) -> bool:
+    """Whether cute runs on this compute capability only when named (CUTE_AUTO_CAPABILITIES)."""
+    return cute_manifest.arch_for_capability(capability) is not None and str(capability) not in CUTE_AUTO_CAPABILITIES
+
+
+def capability_reason(devices, kernel: str = "cute", auto: bool = False) -> str | None:
+    """None if every device is a CUDA GPU that backend `kernel` runs on (pallas: compute
+    capability KERNEL_CAPABILITY; cute: one its cubins are built for, cute/manifest.py ARCHS, and
+    for `auto` one of CUTE_AUTO_CAPABILITIES; triton: TRITON_MIN_CAPABILITY or newer), else why not."""
     if not devices:
         return "no device to run on"
     for device in devices:
@@ -79,24 +91,33 @@ def capability_reason(devices, kernel: str = "cute") -> str | None:
                     f"the Triton kernel computes in bf16, compute capability {least} or newer; device {device} "
                     f"has compute capability {capability}"
                 )
+        elif kernel == "cute":
+            arch = cute_manifest.arch_for_capability(capability)
+            if arch is None:
+                return cute_manifest.unserved_reason(device, capability)
+            if auto and _cute_opt_in(capability):
+                return (
+                    f"its {arch} cubins have not run on a GPU of compute capability {capability} yet, so auto does not "
+                    f"pick them; backend='cute' runs them (opt-in); device {device} has compute capability {capability}"
+                )
         elif str(capability) != KERNEL_CAPABILITY:
             return (
-                f"the GPU kernels are Hopper code (sm_90a, compute capability {KERNEL_CAPABILITY}); device {device} "
+                f"the Pallas kernel is Hopper code (sm_90a, compute capability {KERNEL_CAPABILITY}); device {device} "
                 f"has compute capability {capability}"
             )
     return None
 
 
-def _unavailable(name: str, platform: str, devices=None) -> str | None:
+def _unavailable(name: str, platform: str, devices=None, auto: bool = False) -> str | None:
     """None if backend `name` runs on `platform` (on a GPU: on `devices`, default every device of
-    the platform), else why not (a failed import included)."""
+    the platform), named or, with `auto`, picked by auto; else why not (a failed import included)."""
     try:
         module = _module(name)
     except ImportError as err:
         return f"cannot import {_BACKENDS[name]}: {err}"
     reason = module.unavailable_reason(platform)
     if reason is None and name in _KERNELS and _is_gpu(platform):
-        reason = capability_reason(_platform_devices(platform) if devices is None else list(devices), name)
+        reason = capability_reason(_platform_devices(platform) if devices is None else list(devices), name, auto)
     return reason
 
 
@@ -125,7 +146,8 @@ def unsupported_reason(name: str, dims: Dims, **options) -> str | None:
 
 
 def available_backends(platform: str | None = None) -> dict[str, str | None]:
-    """Backend name -> None if it runs on `platform` (default: JAX's default), else why not."""
+    """Backend name -> None if it runs on `platform` (default: JAX's default) when named, else why
+    not (cute on compute capability 10.0 runs when named: auto does not pick it there)."""
     platform = platform or jax.default_backend()
     return {name: _unavailable(name, platform) for name in _BACKENDS}
 
@@ -135,8 +157,8 @@ def choose_backend(backend: str, platform: str, dims: Dims, *, devices=None, **o
     not run this call, None for the one that does). The rule of "auto": on CUDA GPUs (every one
     of `devices`; default every device of `platform`) the first of "cute", "pallas" (compute
     capability 9.0 only) and "triton" (8.0 or newer) that can run there and handles the shape;
-    else the reference. Off the GPU "auto" never takes a kernel (Pallas would run in interpret
-    mode: named only)."""
+    else the reference. cute's sm_100a cubins (10.0) run only when named (CUTE_AUTO_CAPABILITIES).
+    Off the GPU "auto" never takes a kernel (Pallas would run in interpret mode: named only)."""
     if backend != "auto":
         module = _module(backend)  # an unknown name raises here
         reason = _unavailable(backend, platform, devices) or module.unsupported_reason(dims, **options)
@@ -146,7 +168,7 @@ def choose_backend(backend: str, platform: str, dims: Dims, *, devices=None, **o
         if chosen is not None:
             reasons[name] = f"{chosen!r} comes first in auto's order ({', '.join(_BACKENDS)}) and runs this call"
             continue
-        reason = _unavailable(name, platform, devices)
+        reason = _unavailable(name, platform, devices, auto=True)
         if reason is None and name in _KERNELS and not _is_gpu(platform):
             reason = f"auto runs the kernels on CUDA GPUs only, the platform is {platform!r}" + (
                 "; name backend='pallas' for its interpret mode (slow; for tests)" if platform == "cpu" else ""
@@ -213,9 +235,18 @@ def explain(mailbox, prefix, blocks, norm, query, out_norm, *, backend: str = "a
         note = getattr(_module(name), "explain_note", lambda *a, **k: None)(dims, **options)
         if note:
             lines.append(f"  {name}: {note}")
+        opt_in = sorted({str(c) for c in capabilities if _cute_opt_in(c)}) if _is_gpu(platform) else []
+        if name == "cute" and opt_in:
+            lines.append(
+                f"  cute: opt-in on compute capability {', '.join(opt_in)}: its cubins there have not run on such a "
+                f"GPU yet (auto picks triton)"
+            )
         if name == "triton" and backend == "auto":
             lines.append(
                 "  triton: the portable kernel, taken because the Hopper kernels (cute, pallas) cannot run this call"
+                if not opt_in
+                else "  triton: the portable kernel, taken because cute runs here only when named (opt-in) and "
+                "pallas cannot run this call"
             )
         lines += [f"  {other}: not picked: {why}" for other, why in reasons.items() if other != name]
     return "\n".join(lines)
@@ -266,8 +297,10 @@ def consumer(
                        "reference"  the jnp definition; runs wherever JAX runs.
                        "pallas"     the Pallas Mosaic GPU kernel on a Hopper GPU; on a CPU it
                                     runs in interpret mode (slow; for tests). Needs H % 256 == 0.
-                       "cute"       the CuTe kernel through XLA FFI on an sm_90a GPU, with the
-                                    built FFI library and cubins (python -m oproj_jax.build);
+                       "cute"       the CuTe kernel through XLA FFI on an sm_90a GPU (H100,
+                                    H200), or on an sm_100a GPU (compute capability 10.0: B200)
+                                    when named (opt-in: not yet run there), with the built FFI
+                                    library and cubins (python -m oproj_jax.build);
                                     H = 7168 only, and only the built variants.
                        "triton"     the Triton kernels through the package's FFI library (the
                                     triton extra and the JAX CUDA plugin) on a CUDA GPU of
@@ -280,8 +313,9 @@ def consumer(
                                     GPU. It never picks interpret mode. explain(...) says what
                                     it picks and why.
                      Naming a backend that cannot run raises ValueError with the reason
-                     (nothing falls back silently); see available_backends(). cute and pallas
-                     also refuse GPUs other than compute capability 9.0, triton those below 8.0.
+                     (nothing falls back silently); see available_backends(). pallas also
+                     refuses GPUs other than compute capability 9.0, cute those other than 9.0
+                     and 10.0, triton those below 8.0.
 
     Returns a ConsumerResult (a NamedTuple):
       prefix  [T, H] bf16: the updated residual. GPU kernels alias it to the `prefix` argument:

@@ -2,7 +2,7 @@
 # Sets up oproj_jax on a fresh machine: a Python 3.12 venv in .venv with the GPU machine's
 # pinned versions (constraints.txt), the package in editable mode with every extra (setup.py
 # already builds the XLA FFI library into the checkout), then the GPU artifacts: CuTe-DSL cubins
-# (sm_90a, built without a GPU) with their manifest, and the FFI library again against the venv's jaxlib.
+# (sm_90a and sm_100a, built without a GPU) with their manifests, and the FFI library again against the venv's jaxlib.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

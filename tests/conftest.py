@@ -55,8 +55,9 @@ def gpu():
     return jax.devices("gpu")[0]
 
 
-def fake_ready_cubins(directory, key, *, entry="k", dynamic_smem_bytes=1000) -> dict:
-    """A sealed manifest in `directory` with one folded build (what the registry's ready mode
+def fake_ready_cubins(directory, key, *, entry="k", dynamic_smem_bytes=1000, arch="sm_90a") -> dict:
+    """A sealed manifest of `arch` in the cubin directory `directory` (manifest.arch_dir: sm_90a's
+    in it, sm_100a's in its subdirectory) with one folded build (what the registry's ready mode
     takes) of `key`, whose cubin is a stand-in file: enough for the cute backend to choose and
     lower a call on a machine without a GPU (lowering never opens a cubin). Returns the entry.
     Tests of a prebuilt set set $OPROJ_JAX_NO_COMPILE too, or a variant outside it would be
@@ -64,6 +65,8 @@ def fake_ready_cubins(directory, key, *, entry="k", dynamic_smem_bytes=1000) -> 
     from oproj_jax import configs
     from oproj_jax.cute import manifest
 
+    directory = manifest.arch_dir(arch, directory)
+    directory.mkdir(parents=True, exist_ok=True)
     (directory / "k.cubin").write_bytes(b"a stand-in: never launched")
     kernel = dict(
         key=key,
@@ -76,7 +79,7 @@ def fake_ready_cubins(directory, key, *, entry="k", dynamic_smem_bytes=1000) -> 
         cluster=[7, 1, 1],
         params=[".u64"] * 15,
     )
-    sealed = manifest.seal(dict(arch="sm_90a", cutlass_dsl="4.8.1", H=configs.HIDDEN, kernels=[kernel]), directory)
+    sealed = manifest.seal(dict(arch=arch, cutlass_dsl="4.8.1", H=configs.HIDDEN, kernels=[kernel]), directory)
     (directory / manifest.MANIFEST).write_text(json.dumps(sealed))
     return kernel
 

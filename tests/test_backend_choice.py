@@ -259,3 +259,116 @@ def test_explain_names_the_limits_that_pass_a_kernel_over(cute_here, triton_here
     text = oproj_jax.explain(mailbox, *arrays(NB=1)[1:], **OPTIONS)
     assert text.splitlines()[0].startswith("backend='auto' runs 'pallas'")
     assert "  cute: not picked: R=32: the CuTe kernel sums at most 16 mailbox slots" in text
+
+
+# ---- cute's archs: sm_90a on compute capability 9.0, sm_100a (opt-in) on 10.0
+
+
+@pytest.fixture
+def cute_archs(tmp_path, monkeypatch):
+    """The cute backend as on a CUDA machine whose cubin directory has both archs built (a fake
+    manifest of DIMS's key for each, sm_100a's in the subdirectory sm_100a/); the process's CUDA
+    devices are set by the test (`devices(...)`), as device_arch reads them."""
+    key = M.make_key(2, 1, True, 2, 0, False)
+    for arch in ("sm_90a", "sm_100a"):
+        fake_ready_cubins(tmp_path, key, entry=f"k_{arch}", dynamic_smem_bytes=1, arch=arch)
+    (tmp_path / "lib.so").write_bytes(b"")
+    monkeypatch.setenv(M.ENV_DIR, str(tmp_path))
+    monkeypatch.setenv("OPROJ_JAX_FFI_LIBRARY", str(tmp_path / "lib.so"))
+    monkeypatch.setenv(cute_cache.ENV_NO_COMPILE, "1")  # prebuilt cubins only
+    monkeypatch.setattr(cute_backend, "_is_cuda", lambda platform: True)
+
+    def devices(*capabilities):
+        gpus = [FakeGPU(c, i) for i, c in enumerate(capabilities)]
+        monkeypatch.setattr(cute_backend, "_cuda_devices", lambda: gpus)
+        monkeypatch.setattr(api, "_placement", lambda *a: ("gpu", gpus))
+        monkeypatch.setattr(api, "_platform_devices", lambda platform: gpus)
+        return gpus
+
+    return tmp_path, devices
+
+
+def _cute_kernel():
+    return cute_backend._kernel(M.make_key(2, 1, True, 2, 0, False), 1, True)
+
+
+@pytest.mark.parametrize(("capability", "arch"), [("9.0", "sm_90a"), ("10.0", "sm_100a")])
+def test_cute_takes_the_cubins_of_the_devices_arch(cute_archs, capability, arch):
+    root, devices = cute_archs
+    gpus = devices(capability)
+    assert cute_backend.device_arch() == (arch, "")
+    kernel = _cute_kernel()
+    assert kernel.cubin == str(M.arch_dir(arch, root) / "k.cubin") and kernel.entry == f"k_{arch}"
+    assert api.resolve_backend("cute", "gpu", DIMS, devices=gpus, **OPTIONS) == "cute"
+    assert api.available_backends("gpu")["cute"] is None  # it runs when named
+
+
+def test_auto_keeps_triton_on_10_0_and_says_why(cute_archs, triton_here, fresh_warnings):
+    """sm_100a is opt-in: auto picks triton on a 10.0 device although the cubins are there;
+    backend="cute" runs them; explain says both."""
+    _, devices = cute_archs
+    gpus = devices("10.0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a kernel runs: nothing to warn about
+        name, reasons = api.choose_backend("auto", "gpu", DIMS, devices=gpus, **OPTIONS)
+    assert name == "triton"
+    assert "sm_100a cubins have not run on a GPU of compute capability 10.0 yet" in reasons["cute"]
+    assert "backend='cute' runs them (opt-in)" in reasons["cute"]
+    text = oproj_jax.explain(*arrays(), **OPTIONS)
+    assert text.splitlines()[0].startswith("backend='auto' runs 'triton'")
+    assert "  cute: not picked: its sm_100a cubins have not run on a GPU of compute capability 10.0 yet" in text
+    assert "  triton: the portable kernel, taken because cute runs here only when named (opt-in)" in text
+    named = oproj_jax.explain(*arrays(), backend="cute", **OPTIONS)
+    assert named.splitlines()[0].startswith("backend='cute' runs 'cute'")
+    assert "  cute: opt-in on compute capability 10.0: its cubins there have not run on such a GPU yet" in named
+    # a Hopper GPU: cute, as before, and no opt-in line
+    devices("9.0")
+    text = oproj_jax.explain(*arrays(), **OPTIONS)
+    assert text.splitlines()[0].startswith("backend='auto' runs 'cute'") and "opt-in" not in text
+
+
+def test_a_10_0_device_without_sm100a_cubins_names_its_arch_the_built_ones_and_the_build(cute_archs):
+    root, devices = cute_archs
+    gpus = devices("10.0")
+    (root / "sm_100a" / M.MANIFEST).unlink()  # only sm_90a built
+    with pytest.raises(ValueError) as err:
+        api.resolve_backend("cute", "gpu", DIMS, devices=gpus, **OPTIONS)
+    message = str(err.value)
+    assert "no CuTe cubins for sm_100a (compute capability 10.0)" in message
+    assert "archs built there: sm_90a" in message and M.REBUILD_COMMAND in message
+    with pytest.raises(ValueError, match="python -m oproj_jax.cute.build --key 2,1,1,2,0,0 --arch sm_100a`"):
+        _cute_kernel()
+
+
+@pytest.mark.parametrize("capability", ["8.6", "10.3", "12.0"])
+def test_a_device_no_cute_arch_serves_names_its_arch_and_the_built_ones(cute_archs, capability):
+    _, devices = cute_archs
+    gpus = devices(capability)
+    sm = M.device_arch_name(capability)
+    with pytest.raises(
+        ValueError, match=rf"backend='cute' cannot run here: .* has compute capability {capability} \({sm}\)"
+    ):
+        api.resolve_backend("cute", "gpu", DIMS, devices=gpus, **OPTIONS)
+    # the backend itself (consume, driver launches: no api in between) refuses it as well
+    reason = cute_backend.unavailable_reason("gpu")
+    assert f"has compute capability {capability} ({sm}): no CuTe cubin runs there" in reason
+    assert "built for sm_90a (compute capability 9.0), sm_100a (compute capability 10.0) only" in reason
+    with pytest.raises(ValueError, match=rf"\({sm}\): no CuTe cubin runs there"):
+        _cute_kernel()
+
+
+def test_devices_of_two_archs_in_one_process_are_refused(cute_archs):
+    _, devices = cute_archs
+    devices("9.0", "10.0")
+    arch, why = cute_backend.device_arch()
+    assert arch is None and "several archs" in why and "sm_90a" in why and "sm_100a" in why
+    with pytest.raises(ValueError, match="several archs"):
+        _cute_kernel()
+
+
+def test_lowering_without_a_cuda_device_takes_the_primary_arch(cute_archs, monkeypatch):
+    """A CPU machine lowering for CUDA (no CUDA device in the process): the primary arch's cubins."""
+    root, _ = cute_archs
+    monkeypatch.setattr(cute_backend, "_cuda_devices", lambda: [])
+    assert cute_backend.device_arch() == (M.PRIMARY_ARCH, "")
+    assert _cute_kernel().cubin == str(root / "k.cubin")

@@ -7,7 +7,11 @@ module; skipped with the reason where the CuTe DSL is not importable.
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import struct
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -39,6 +43,16 @@ def built(tmp_path_factory):
     return out, M.load_manifest(out)
 
 
+@pytest.fixture(scope="module")
+def built_sm100(built):
+    """The same keys built for sm_100a into the same cubin directory (its subdirectory sm_100a/)."""
+    from oproj_jax.cute import build
+
+    out, _ = built
+    build.build_cubins(out, KEYS, jobs=2, arch="sm_100a")
+    return out, M.load_manifest(out, "sm_100a")
+
+
 def _section_headers(data: bytes) -> list[tuple]:
     """ELF64 section headers (name, type, flags, addr, offset, size, link, info, align, entsize)."""
     assert data[:4] == b"\x7fELF" and data[4] == 2  # 64-bit ELF
@@ -68,6 +82,46 @@ def _elf_sections(data: bytes) -> dict[str, bytes]:
     sections = _section_headers(data)
     names = sections[struct.unpack_from("<H", data, 0x3E)[0]]  # e_shstrndx
     return {_c_string(data, names[4] + sh[0]).decode(): data[sh[4] : sh[4] + sh[5]] for sh in sections}
+
+
+CUDA_OSABI = (0x33, 0x41)  # e_ident[EI_OSABI] of CUDA cubins (ELF ABI versions 7 and 8)
+
+
+def _elf_arch(data: bytes) -> str:
+    """The arch a cubin is built for, read from the ELF itself (parsed here, independent of the
+    builder and of any CUDA tool): the SM number from the header's e_flags (CUDA ELF ABI version
+    8 and later, e_ident[EI_ABIVERSION]: bits 8..15; before: bits 0..7), and the arch-specific
+    suffix ("a") from the ptxas command line that the .note.nv.tkinfo note records ("-arch
+    sm_90a"): e_flags is the same for sm_90 and sm_90a."""
+    assert data[:4] == b"\x7fELF" and data[4] == 2 and data[7] in CUDA_OSABI, data[:16].hex()
+    (flags,) = struct.unpack_from("<I", data, 0x30)
+    sm = (flags >> 8) & 0xFF if data[8] >= 8 else flags & 0xFF
+    (arch,) = re.findall(rb"-arch (sm_\d+[af]?)\b", _elf_sections(data)[".note.nv.tkinfo"])
+    arch = arch.decode()
+    assert re.fullmatch(rf"sm_{sm}[af]?", arch), (arch, hex(flags))  # the header and the note agree
+    return arch
+
+
+def _cuobjdump() -> str | None:
+    """cuobjdump from a CUDA toolkit on PATH or the one triton ships, or None (CI has neither toolkit)."""
+    import importlib.util
+
+    found = shutil.which("cuobjdump")
+    spec = importlib.util.find_spec("triton")
+    if found is None and spec is not None and spec.origin:
+        bundled = Path(spec.origin).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        found = str(bundled) if bundled.is_file() else None
+    return found
+
+
+def _cuobjdump_sm(path) -> str | None:
+    """The SM cuobjdump reads from a cubin's header ("sm_100"; it prints no "a"), None without it."""
+    tool = _cuobjdump()
+    if tool is None:
+        return None
+    done = subprocess.run([tool, "--dump-elf", str(path)], capture_output=True, text=True, check=True)
+    (sm,) = re.findall(r"\bsm=(\d+)\b", done.stdout.split(".section")[0])
+    return f"sm_{sm}"
 
 
 def _register_count(data: bytes) -> int:
@@ -111,6 +165,129 @@ def test_no_launch_bound_and_a_register_count_ptxas_allows(built, key):
     entry = M.find(manifest, key)
     assert entry["min_ctas"] == 0
     assert _register_count(M.cubin_path(manifest, entry).read_bytes()) <= 255
+
+
+def test_each_arch_is_built_into_its_place_with_the_same_entries(built, built_sm100):
+    """sm_100a's manifest and cubins go to the subdirectory sm_100a/ of the cubin directory, with
+    the same keys, file names, entry names and launch as sm_90a's; building it leaves sm_90a's
+    manifest and cubins as they were."""
+    out, sm90 = built
+    _, sm100 = built_sm100
+    assert (sm90["arch"], sm100["arch"]) == ("sm_90a", "sm_100a")
+    assert sm90["dir"] == str(out) and sm100["dir"] == str(out / "sm_100a")
+    assert M.built_archs(out) == ["sm_90a", "sm_100a"]
+    assert sm100["fingerprint"] == sm90["fingerprint"]  # the same sources
+    for key in KEYS:
+        a, b = M.find(sm90, key), M.find(sm100, key)
+        for field in ("cubin", "entry", "params", "block", "cluster", "dynamic_smem_bytes", "min_ctas", "fold"):
+            assert a[field] == b[field], (field, M.describe(key))
+        assert a["sha256"] != b["sha256"]
+        assert _register_count(M.cubin_path(sm100, b).read_bytes()) <= 255
+    assert (
+        sm100["publish"]["entry"] == sm90["publish"]["entry"]
+        and sm100["publish"]["params"] == sm90["publish"]["params"]
+    )
+    fresh = M.load_manifest(out, "sm_90a")
+    for entry in fresh["kernels"] + [fresh["publish"]]:
+        assert M.verified_cubin_path(fresh, entry).is_file()
+
+
+def test_each_cubin_carries_its_arch(built, built_sm100):
+    for _, manifest in (built, built_sm100):
+        for entry in manifest["kernels"] + [manifest["publish"]]:
+            path = M.cubin_path(manifest, entry)
+            assert _elf_arch(path.read_bytes()) == manifest["arch"], path
+            assert _cuobjdump_sm(path) in (None, manifest["arch"].removesuffix("a")), path
+
+
+@pytest.mark.parametrize("arch", list(M.ARCHS))
+def test_the_built_cubins_carry_their_arch(arch):
+    """A sample of this checkout's prebuilt cubins of each arch (python -m oproj_jax.build): every
+    37th entry and the publish kernel. Skipped where that arch is not built."""
+    try:
+        manifest = M.load_manifest(M.PACKAGE_DIR, arch)
+    except FileNotFoundError as err:
+        pytest.skip(f"no {arch} cubins built in this checkout ({err})")
+    sample = manifest["kernels"][::37] + [manifest["publish"]]
+    assert len(sample) > 1
+    for entry in sample:
+        path = M.verified_cubin_path(manifest, entry)
+        assert _elf_arch(path.read_bytes()) == arch, path
+        assert _cuobjdump_sm(path) in (None, arch.removesuffix("a")), path
+
+
+def test_the_elf_arch_parser_reads_the_header_and_the_note():
+    """_elf_arch on a made-up ELF: e_flags of ABI version 8 (sm_100 in bits 8..15), the ptxas
+    command line in .note.nv.tkinfo; a header and a note that disagree fail."""
+
+    def elf(flags: int, note: bytes) -> bytes:
+        names = b"\0.shstrtab\0.note.nv.tkinfo\0"
+        header = bytearray(64)
+        header[:9] = b"\x7fELF\x02\x01\x01\x41\x08"
+        body = names + note
+        shoff = 64 + len(body)
+        struct.pack_into("<I", header, 0x30, flags)
+        struct.pack_into("<Q", header, 0x28, shoff)
+        struct.pack_into("<HHH", header, 0x3A, 64, 3, 1)  # e_shentsize, e_shnum, e_shstrndx
+        sections = bytes(64)  # the null section
+        sections += struct.pack("<IIQQQQIIQQ", 1, 3, 0, 0, 64, len(names), 0, 0, 1, 0)
+        sections += struct.pack("<IIQQQQIIQQ", 11, 7, 0, 0, 64 + len(names), len(note), 0, 0, 4, 0)
+        return bytes(header) + body + sections
+
+    assert _elf_arch(elf(0x6006402, b"ptxas -O 3 -arch sm_100a ")) == "sm_100a"
+    assert _elf_arch(elf(0x6005A04, b"ptxas -O 3 -arch sm_90a ")) == "sm_90a"
+    with pytest.raises(AssertionError):
+        _elf_arch(elf(0x6005A04, b"ptxas -O 3 -arch sm_100a "))
+
+
+def test_the_arch_layout():
+    """One manifest per arch: the primary arch's in the cubin directory, the others' in a
+    subdirectory named after the arch; the compile default is the primary arch; the build makes
+    every arch."""
+    from oproj_jax.cute import build
+
+    assert M.ARCHS == {"sm_90a": "9.0", "sm_100a": "10.0"} and build.ARCH == M.PRIMARY_ARCH == "sm_90a"
+    assert build.BUILD_ARCHS == ("sm_90a", "sm_100a")
+    root = Path("/cubins")
+    assert M.arch_dir("sm_90a", root) == root and M.arch_dir("sm_100a", root) == root / "sm_100a"
+    assert [M.arch_for_capability(c) for c in ("9.0", "10.0", "8.0", "10.3", "12.0")] == [
+        "sm_90a",
+        "sm_100a",
+        None,
+        None,
+        None,
+    ]
+    assert M.device_arch_name("12.0") == "sm_120"
+    with pytest.raises(ValueError, match="arch"):
+        M.arch_dir("sm_80", root)
+
+
+def test_a_missing_arch_names_the_archs_built_and_the_build_command(tmp_path):
+    (tmp_path / M.MANIFEST).write_text(json.dumps({"arch": "sm_90a", "H": 7168, "kernels": []}))
+    with pytest.raises(FileNotFoundError) as err:
+        M.load_manifest(tmp_path, "sm_100a")
+    message = str(err.value)
+    assert "sm_100a (compute capability 10.0)" in message and "archs built there: sm_90a" in message
+    assert M.REBUILD_COMMAND in message and "python -m oproj_jax.cute.build --arch sm_100a" in message
+    (tmp_path / "sm_100a").mkdir()
+    (tmp_path / "sm_100a" / M.MANIFEST).write_text(json.dumps({"arch": "sm_90a", "H": 7168, "kernels": []}))
+    with pytest.raises(ValueError, match="records arch 'sm_90a'"):
+        M.load_manifest(tmp_path, "sm_100a")
+    assert M.load_manifest(tmp_path, "sm_90a")["dir"] == str(tmp_path)
+
+
+def test_the_cli_builds_every_arch_unless_told(monkeypatch):
+    from oproj_jax.cute import build
+
+    calls = []
+    monkeypatch.setattr(build, "build_cubins", lambda out, keys, jobs, log, arch: calls.append((arch, keys)))
+    assert build.main(["--key", "2,1,1,2,0,0"]) == 0
+    assert [arch for arch, _ in calls] == ["sm_90a", "sm_100a"]
+    calls.clear()
+    assert build.main(["--arch", "sm_100a", "--arch", "sm_100a"]) == 0
+    assert calls == [("sm_100a", None)]
+    with pytest.raises(SystemExit):
+        build.main(["--arch", "sm_120a"])
 
 
 def test_only_the_folded_build_is_found():

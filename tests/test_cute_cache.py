@@ -249,7 +249,7 @@ def test_a_lock_held_past_the_timeout_is_a_clear_error(monkeypatch, tmp_path):
     where.mkdir(parents=True)
     compiled = []
 
-    def fake_compile(key, where, name, entry_path, why):
+    def fake_compile(key, where, name, entry_path, why, arch):
         compiled.append(name)
         raise RuntimeError("stop here: the lock was taken")
 
@@ -267,3 +267,29 @@ def test_a_lock_held_past_the_timeout_is_a_clear_error(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match="stop here"):  # released: taken at once, and compiling starts
         cache.kernel(KEY, "test", "the rebuild command")
     assert compiled == [name]
+
+
+class _Blackwell:
+    platform = "gpu"
+    compute_capability = "10.0"
+
+
+def test_a_10_0_device_compiles_sm100a_into_its_own_directory(tmp_path, monkeypatch):
+    """A compute capability 10.0 device (a stand-in) with nothing prebuilt: the call's variant is
+    compiled for sm_100a into the fingerprint directory's sm_100a/, the entry records the arch,
+    the ELF header says sm_100; sm_90a's place is left alone."""
+    reason = dsl_missing_reason()
+    if reason:
+        pytest.skip(reason)
+    (tmp_path / "prebuilt").mkdir()
+    monkeypatch.setenv(cache.ENV_CACHE_DIR, str(tmp_path / "cache"))
+    monkeypatch.setenv(M.ENV_DIR, str(tmp_path / "prebuilt"))
+    monkeypatch.delenv(cache.ENV_NO_COMPILE, raising=False)
+    monkeypatch.setattr(backend, "_cuda_devices", lambda: (_Blackwell(),))
+    kernel = backend._kernel(KEY, 1, True)
+    assert Path(kernel.cubin).parent == cache.directory("sm_100a") == cache.directory() / "sm_100a"
+    entry = json.loads(Path(_entry_file(kernel.cubin)).read_text())
+    assert entry["arch"] == "sm_100a" and entry["key"] == KEY
+    data = Path(kernel.cubin).read_bytes()
+    assert data[:4] == b"\x7fELF" and (int.from_bytes(data[0x30:0x34], "little") >> 8) & 0xFF == 100
+    assert cache.cached(KEY, "sm_100a") and not cache.cached(KEY)

@@ -224,7 +224,7 @@ def test_the_build_drops_entries_of_other_sources(tmp_path, monkeypatch):
     (tmp_path / "old.cubin").write_bytes(b"old")
     (tmp_path / M.MANIFEST).write_text(json.dumps(old))
     monkeypatch.setattr(build, "_compile_to", lambda args: dict(key=args[0], min_ctas=0, fold=True, cubin="new.cubin"))
-    monkeypatch.setattr(build, "compile_publish", lambda: dict(cubin=M.PUBLISH_CUBIN, cubin_bytes=b"publish"))
+    monkeypatch.setattr(build, "compile_publish", lambda arch: dict(cubin=M.PUBLISH_CUBIN, cubin_bytes=b"publish"))
     (tmp_path / "new.cubin").write_bytes(b"new")
     manifest = build.build_cubins(tmp_path, [KEY], jobs=1)
     assert [e["cubin"] for e in manifest["kernels"]] == ["new.cubin"]
@@ -252,21 +252,23 @@ def test_the_build_keeps_only_folded_entries_of_these_sources(tmp_path, monkeypa
         (tmp_path / name).write_bytes(name.encode())
     (tmp_path / M.MANIFEST).write_text(json.dumps(old))
     monkeypatch.setattr(build, "_compile_to", lambda args: dict(key=args[0], min_ctas=0, fold=True, cubin="new.cubin"))
-    monkeypatch.setattr(build, "compile_publish", lambda: dict(cubin=M.PUBLISH_CUBIN, cubin_bytes=b"publish"))
+    monkeypatch.setattr(build, "compile_publish", lambda arch: dict(cubin=M.PUBLISH_CUBIN, cubin_bytes=b"publish"))
     manifest = build.build_cubins(tmp_path, [KEY], jobs=1)
     assert [e["cubin"] for e in manifest["kernels"]] == ["oproj_R16_f.cubin", "new.cubin"]
     assert not (tmp_path / "oproj_R16_m3.cubin").exists()
 
 
-def test_the_real_manifest_matches_the_sources_and_its_cubins():
-    """The cubins built in this checkout (python -m oproj_jax.build), if any."""
+@pytest.mark.parametrize("arch", list(M.ARCHS))
+def test_the_real_manifest_matches_the_sources_and_its_cubins(arch):
+    """The cubins built in this checkout (python -m oproj_jax.build), if any, of each arch."""
     try:
-        manifest = M.load_manifest(M.PACKAGE_DIR)
+        manifest = M.load_manifest(M.PACKAGE_DIR, arch)
     except FileNotFoundError as err:
-        pytest.skip(f"no cubins built in this checkout ({err})")
+        pytest.skip(f"no {arch} cubins built in this checkout ({err})")
     if "fingerprint" not in manifest:
         pytest.skip(f"{M.PACKAGE_DIR} predates source fingerprints: rebuild with `{M.REBUILD_COMMAND}`")
-    assert M.stale_reason(manifest) is None
+    assert M.stale_reason(manifest) is None and manifest["arch"] == arch
+    assert manifest["dir"] == str(M.arch_dir(arch, M.PACKAGE_DIR))
     entries = manifest["kernels"] + ([manifest["publish"]] if manifest.get("publish") else [])
     for entry in entries:
         assert M.verified_cubin_path(manifest, entry).is_file()

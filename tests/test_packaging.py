@@ -94,8 +94,9 @@ def test_wheel_is_platform_tagged_and_carries_the_library(wheel):
     assert shipped == sources, sorted(shipped ^ sources)  # nothing stale, nothing else
     assert not any(n.startswith("ffi/") for n in names)  # the top-level ffi/ is not a package
     assert "oproj_jax/cute/ABI.md" in names
-    if (CUBIN_DIR / "manifest.json").is_file():  # built in this checkout: shipped with it
-        cubins = {f"oproj_jax/cute/cubins/{p.name}" for p in CUBIN_DIR.iterdir() if p.is_file()}
+    if (CUBIN_DIR / "manifest.json").is_file():  # built in this checkout: shipped with it, every arch
+        cubins = {f"oproj_jax/cute/cubins/{p.relative_to(CUBIN_DIR).as_posix()}" for p in CUBIN_DIR.rglob("*")}
+        cubins = {n for n in cubins if (ROOT / n).is_file()}
         assert "oproj_jax/cute/cubins/manifest.json" in names
         assert cubins <= names, sorted(cubins - names)[:5]
     assert not any(n.endswith(".tmp") or "/__pycache__/" in n for n in names)

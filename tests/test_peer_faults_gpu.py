@@ -180,12 +180,13 @@ def _gpu_reason() -> str | None:
     if "error" in probe:
         return f"no CUDA GPU on this machine: {probe['error']}"
     major, minor = probe["cc"]
-    if major != 9:
-        return f"the CuTe cubins are built for sm_90a; GPU 0 is sm_{major}{minor}"
     from oproj_jax.cute import ffi
     from oproj_jax.cute import manifest
 
-    library, cubins = ffi.library_path(), manifest.default_dir() / manifest.MANIFEST
+    arch = manifest.arch_for_capability(f"{major}.{minor}")
+    if arch is None:
+        return f"the CuTe cubins are built for {', '.join(manifest.ARCHS)}; GPU 0 is sm_{major}{minor}"
+    library, cubins = ffi.library_path(), manifest.arch_dir(arch) / manifest.MANIFEST
     if not library.is_file():
         return f"the FFI library is not built ({library} missing): python -m oproj_jax.build"
     if not cubins.is_file():

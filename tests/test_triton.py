@@ -41,6 +41,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+# Every test here compiles, interprets or lowers a Triton kernel: the `triton` extra. (CI's
+# second venv, the newest jax without extras, skips the file.)
+pytest.importorskip("triton", reason="the triton extra is not installed")
+
 from conftest import benchmark_script
 from oproj_jax import configs, testing
 from oproj_jax.configs import Config
@@ -145,7 +149,8 @@ def _inputs(case: Case) -> dict:
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
     """case id -> (inputs, (prefix, output, xmoe) as numpy bf16): every case in one interpreter
-    process (starting one costs seconds)."""
+    process (starting one costs seconds). Needs the `triton` extra (triton and torch)."""
+    pytest.importorskip("torch", reason="the triton extra's PyTorch launch needs torch")
     folder = tmp_path_factory.mktemp("interpret")
     table = []
     for case in CASES:

@@ -1,5 +1,9 @@
-"""backend="cute": the CuTe-DSL kernel (prebuilt sm_90a cubins, or compiled on first use where the
-DSL is installed: cute/cache.py) launched from XLA through FFI.
+"""backend="cute": the CuTe-DSL kernel (prebuilt cubins, or compiled on first use where the DSL is
+installed: cute/cache.py) launched from XLA through FFI.
+
+Archs: the cubins are built per arch (cute/manifest.py ARCHS); a call takes those of its devices'
+compute capability (device_arch: 9.0 -> sm_90a, 10.0 -> sm_100a). sm_100a is opt-in: api.py's
+auto does not pick cute on a 10.0 device until its cubins have run on one (CUTE_AUTO_CAPABILITIES).
 
 Three layers of entry point:
 
@@ -88,30 +92,73 @@ def kernel_key(R: int, NB: int, *, twoshot: bool, **options) -> dict:
     return cute_manifest.make_key(R, NB, opts.has_delta, opts.groups, opts.xmoe_replicas, bool(twoshot))
 
 
-def _key_build_command(key: dict) -> str:
+def _key_build_command(key: dict, arch: str = cute_manifest.PRIMARY_ARCH) -> str:
     flags = ",".join(str(int(key[k])) for k in cute_manifest.KEY_FIELDS)
-    return f"python -m oproj_jax.cute.build --key {flags}"
+    only = "" if arch == cute_manifest.PRIMARY_ARCH else f" --arch {arch}"
+    return f"python -m oproj_jax.cute.build --key {flags}{only}"
+
+
+# ---- the devices' arch ---------------------------------------------------------------------
+
+
+@functools.cache
+def _cuda_devices() -> tuple:
+    """This process's CUDA devices (none: lowering for CUDA on a CPU machine). Asked once: every
+    eager call looks up its kernel several times."""
+    try:
+        return tuple(jax.devices("cuda"))
+    except RuntimeError:
+        return ()
+
+
+def device_arch() -> tuple[str | None, str]:
+    """(the cubin arch of this process's CUDA devices, "") or (None, why no cubin serves them).
+    The arch follows the compute capability (manifest.ARCHS: 9.0 -> sm_90a, 10.0 -> sm_100a); a
+    process without CUDA devices (lowering for CUDA on a CPU machine) gets manifest.PRIMARY_ARCH."""
+    archs: dict[str, object] = {}
+    for device in _cuda_devices():
+        capability = getattr(device, "compute_capability", None)
+        arch = cute_manifest.arch_for_capability(capability)
+        if arch is None:
+            return None, cute_manifest.unserved_reason(device, capability)
+        archs.setdefault(arch, device)
+    if len(archs) > 1:
+        devices = ", ".join(f"{device} ({arch})" for arch, device in archs.items())
+        return (
+            None,
+            f"this process's CUDA devices need CuTe cubins of several archs ({devices}): run one arch per process",
+        )
+    return next(iter(archs), cute_manifest.PRIMARY_ARCH), ""
+
+
+def _device_arch() -> str:
+    """device_arch(), or its ValueError."""
+    arch, why = device_arch()
+    if arch is None:
+        raise ValueError(why)
+    return arch
 
 
 @functools.lru_cache(maxsize=4)
-def _parsed_manifest(directory: str, stamp: tuple[int, int] | None) -> tuple[dict, dict]:
+def _parsed_manifest(directory: str, arch: str, stamp: tuple[int, int] | None) -> tuple[dict, dict]:
     del stamp  # the file's (mtime, size): part of the key only, so a rebuilt manifest is read again
-    manifest = cute_manifest.load_manifest(directory)
+    manifest = cute_manifest.load_manifest(directory, arch)
     return manifest, cute_manifest.index(manifest)
 
 
-def _manifest() -> tuple[tuple[dict, dict] | None, str]:
-    """((the manifest, its index), its directory) or (None, why it is missing). Parsed and
-    indexed once per file version (~3 ms for the default set): every eager call asks for a
-    kernel several times."""
+def _manifest(arch: str = cute_manifest.PRIMARY_ARCH) -> tuple[tuple[dict, dict] | None, str]:
+    """((`arch`'s manifest, its index), its directory) or (None, why it is missing: the archs
+    built and the build command). Parsed and indexed once per file version (~3 ms for the default
+    set): every eager call asks for a kernel several times."""
     directory = cute_manifest.default_dir()
+    where = cute_manifest.arch_dir(arch, directory)
     try:
-        stat = (directory / cute_manifest.MANIFEST).stat()
+        stat = (where / cute_manifest.MANIFEST).stat()
         stamp = (stat.st_mtime_ns, stat.st_size)
     except OSError:
         stamp = None  # load_manifest raises the error that names the build command (never cached)
     try:
-        return _parsed_manifest(str(directory), stamp), str(directory)
+        return _parsed_manifest(str(directory), arch, stamp), str(where)
     except (FileNotFoundError, ValueError, OSError) as err:
         return None, str(err)
 
@@ -125,10 +172,10 @@ class _Kernel(NamedTuple):
     variant: tuple[int, int, int] | None = None
 
 
-def _prebuilt(key: dict) -> tuple[tuple[dict, dict] | None, str]:
-    """((the manifest, its entry for `key`), "") or (None, why no prebuilt cubin serves it: no
+def _prebuilt(key: dict, arch: str) -> tuple[tuple[dict, dict] | None, str]:
+    """((`arch`'s manifest, its entry for `key`), "") or (None, why no prebuilt cubin serves it: no
     manifest, a stale one, or the variant not in it)."""
-    parsed, where = _manifest()
+    parsed, where = _manifest(arch)
     if parsed is None:
         return None, f"no CuTe cubins/manifest found ({where})"
     manifest, entries = parsed
@@ -137,41 +184,42 @@ def _prebuilt(key: dict) -> tuple[tuple[dict, dict] | None, str]:
         return None, stale
     entry = cute_manifest.find(manifest, key, entries)
     if entry is None:
-        return None, f"no prebuilt CuTe cubin for key {cute_manifest.describe(key)} in {where}"
+        return None, f"no prebuilt CuTe cubin for key {cute_manifest.describe(key)} in {where} ({arch})"
     return (manifest, entry), ""
 
 
-def _from_cache(key: dict, T: int, ready: bool, why: str) -> str | None:
-    """None if the cache serves `key` (compiled there, or compiled on first use), else why not:
-    `why` no prebuilt cubin serves it, and why none can be compiled."""
+def _from_cache(key: dict, T: int, ready: bool, why: str, arch: str) -> str | None:
+    """None if the cache serves `key` for `arch` (compiled there, or compiled on first use), else
+    why not: `why` no prebuilt cubin serves it, and why none can be compiled."""
     cannot = cache.disabled_reason()
     if cannot:
         mode = "ready" if ready else "protocol"
-        return f"{why} ({mode} mode, T={T}); build it with `{_key_build_command(key)}`; {cannot}"
-    if cache.cached(key):
+        return f"{why} ({mode} mode, T={T}); build it with `{_key_build_command(key, arch)}`; {cannot}"
+    if cache.cached(key, arch):
         return None
     rejected = cache.kernel_rejects(key)
     return f"{cute_manifest.describe(key)}: {rejected}" if rejected else None
 
 
-def _kernel(key: dict, T: int, ready: bool) -> _Kernel:
-    """The cubin (manifest.FOLDED) for `key`, of a call with T tokens in ready or protocol mode
-    (an error names both): the prebuilt one, else one compiled on first use (cute/cache.py: the
-    CuTe DSL installed; cached on disk for later calls and processes), else a ValueError naming
-    the key and the command that builds it. A prebuilt manifest must match the installed kernel
-    sources (else it is passed over), and a cubin its recorded sha256 (manifest.py, "Integrity";
-    hashed once per process)."""
-    found, why = _prebuilt(key)
-    rebuild = _key_build_command(key)
+def _kernel(key: dict, T: int, ready: bool, arch: str | None = None) -> _Kernel:
+    """The cubin (manifest.FOLDED) for `key` and `arch` (default: device_arch(), the devices'),
+    of a call with T tokens in ready or protocol mode (an error names both): the prebuilt one,
+    else one compiled on first use (cute/cache.py: the CuTe DSL installed; cached on disk for
+    later calls and processes), else a ValueError naming the key and the command that builds it.
+    A prebuilt manifest must match the installed kernel sources (else it is passed over), and a
+    cubin its recorded sha256 (manifest.py, "Integrity"; hashed once per process)."""
+    arch = arch or _device_arch()
+    found, why = _prebuilt(key, arch)
+    rebuild = _key_build_command(key, arch)
     if found is not None:
         manifest, entry = found
         _check_abi(manifest, entry, key, rebuild)
         path = cute_manifest.verified_cubin_path(manifest, entry, rebuild)  # sha256, once
     else:
-        cannot = _from_cache(key, T, ready, why)
+        cannot = _from_cache(key, T, ready, why, arch)
         if cannot:
             raise ValueError(cannot)
-        manifest, entry, path = cache.kernel(key, why, rebuild)
+        manifest, entry, path = cache.kernel(key, why, rebuild, arch)
         _check_abi(manifest, entry, key, rebuild)
     return _Kernel(
         str(path),
@@ -196,13 +244,16 @@ def _check_abi(manifest: dict, entry: dict, key: dict, rebuild: str) -> None:
 def _kernel_reason(key: dict, T: int, ready: bool) -> str | None:
     """None if _kernel(key, T, ready) serves the call (prebuilt and intact, or compiled on first
     use), else why not; compiles nothing."""
-    found, why = _prebuilt(key)
+    arch, why = device_arch()
+    if arch is None:
+        return why
+    found, why = _prebuilt(key, arch)
     if found is None:
-        cannot = _from_cache(key, T, ready, why)
-        if cannot or not cache.cached(key):
+        cannot = _from_cache(key, T, ready, why, arch)
+        if cannot or not cache.cached(key, arch):
             return cannot
     try:  # a prebuilt or cached cubin: hashed (once per process), as the call would
-        _kernel(key, T, ready)
+        _kernel(key, T, ready, arch)
     except ValueError as err:
         return str(err)
     return None
@@ -224,13 +275,19 @@ def _is_cuda(platform: str) -> bool:
 
 def unavailable_reason(platform: str) -> str | None:
     if not _is_cuda(platform):
-        return f"the CuTe kernel runs on NVIDIA CUDA GPUs (sm_90a) only; the platform is {platform!r}"
+        archs = ", ".join(cute_manifest.ARCHS)
+        return f"the CuTe kernel runs on NVIDIA CUDA GPUs ({archs}) only; the platform is {platform!r}"
     reason = ffi.unavailable_reason()
     if reason:
         return reason
-    parsed, where = _manifest()
+    arch, why = device_arch()
+    if arch is None:
+        return why
+    parsed, where = _manifest(arch)
     if parsed is None:
-        reason = f"no CuTe cubins/manifest found ({where}); `{BUILD_COMMAND}` builds cubins and library (no GPU needed)"
+        reason = f"no CuTe cubins/manifest found ({where})" + (
+            "" if BUILD_COMMAND in where else f"; `{BUILD_COMMAND}` builds cubins and library (no GPU needed)"
+        )
     else:
         reason = cute_manifest.stale_reason(parsed[0])  # built from other kernel sources: names the rebuild
     if reason is None:
@@ -266,9 +323,10 @@ def explain_note(dims: Dims, **options) -> str | None:
     """What oproj_jax.explain adds when cute runs a call: that its cubin is not prebuilt and the
     first call compiles it (seconds, once; cached on disk), or that an earlier call did."""
     key = kernel_key(dims.R, dims.NB, twoshot=False, **options)
-    if _prebuilt(key)[0] is not None:
+    arch = device_arch()[0] or cute_manifest.PRIMARY_ARCH
+    if _prebuilt(key, arch)[0] is not None:
         return None
-    if cache.cached(key):
+    if cache.cached(key, arch):
         return f"{cute_manifest.describe(key)} is not prebuilt; an earlier call compiled it into the cache"
     return f"{cute_manifest.describe(key)} is not prebuilt: the first call compiles it (seconds, once; cached on disk)"
 

@@ -1,10 +1,16 @@
-"""Ahead-of-time build of the CuTe consumer kernels: sm_90a cubins + manifest.json.
+"""Ahead-of-time build of the CuTe consumer kernels: cubins + manifest.json, per arch (sm_90a, sm_100a).
 
 Runs on any machine with `nvidia-cutlass-dsl` (4.8.1, no GPU or driver needed):
 
-    python -m oproj_jax.cute.build                      # the default set, into the package dir
+    python -m oproj_jax.cute.build                      # the default set, every arch, into the package dir
     python -m oproj_jax.cute.build --out DIR --all      # same, into DIR
     python -m oproj_jax.cute.build --key 16,8,1,4,0,0   # R,NB,has_delta,groups,reps,twoshot
+    python -m oproj_jax.cute.build --arch sm_90a        # one arch only (repeatable)
+
+Archs (manifest.ARCHS): sm_90a (compute capability 9.0: H100, H200) and sm_100a (10.0: B200,
+GB200). Each arch has its own manifest with the same keys and file names: sm_90a's in the
+output directory itself, sm_100a's in its subdirectory `sm_100a/` (manifest.arch_dir). The same
+kernel source compiles for both (`--gpu-arch`); only sm_90a's cubins have run on a GPU so far.
 
 How cubins reach a GPU machine: the GPU machine has no DSL (and the wheel is too big to
 carry), so the kernels are built here and shipped as files. Either build into the package
@@ -19,6 +25,8 @@ R in {1, 2, 4, 8, 16} x NB 0..8 x has_delta both x groups 1..4 (as effective cou
 cubins, about 0.5 s each; `--jobs` compiles in parallel processes. A variant outside it
 compiles on first use where the DSL is installed (cute/cache.py). Every build also compiles
 the publish kernel of mode="peer" (cute/publish.py), recorded as the manifest's "publish" entry.
+Both archs get the whole default set (docs/cubins.md, "Archs"): about 0.3 s and 27 KB (sm_90a)
+or 33 KB (sm_100a) per cubin.
 R stays static: the polling loop is unrolled over the slots a group owns, and a runtime R
 would cost registers and a dynamic loop on the critical path for no gain at the few R used.
 
@@ -46,6 +54,7 @@ from pathlib import Path
 from oproj_jax import abi
 from oproj_jax.cute import manifest as M
 
+# The primary arch (manifest.PRIMARY_ARCH): compile_variant's and compile_publish's default.
 ARCH = "sm_90a"
 
 
@@ -140,10 +149,12 @@ def consumer_kernel(key: dict, build: M.Build = M.GROUPED, trace: bool = False):
     )
 
 
-def compile_variant(key: dict, build: M.Build = M.GROUPED, trace: bool = False, with_ptx: bool = False) -> dict:
-    """Compile one variant; returns {"key", "entry", "dynamic_smem_bytes", ..., "cubin_bytes"}
-    (and "ptx", the PTX text, when `with_ptx`: tests read it). `trace`: the phase-timer build
-    (kernel.TRACE_MARKS), never shipped."""
+def compile_variant(
+    key: dict, build: M.Build = M.GROUPED, trace: bool = False, with_ptx: bool = False, arch: str = ARCH
+) -> dict:
+    """Compile one variant for `arch` (manifest.ARCHS); returns {"key", "entry",
+    "dynamic_smem_bytes", ..., "cubin_bytes"} (and "ptx", the PTX text, when `with_ptx`: tests
+    read it). `trace`: the phase-timer build (kernel.TRACE_MARKS), never shipped."""
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32, Int64, Uint32
     from cutlass.cute.runtime import make_fake_stream, make_ptr
@@ -164,7 +175,7 @@ def compile_variant(key: dict, build: M.Build = M.GROUPED, trace: bool = False, 
         launch = kernel.launch_twoshot
     with tempfile.TemporaryDirectory() as dump:
         compiled = cute.compile(
-            launch, *args, make_fake_stream(), options=f"--gpu-arch {ARCH} --keep-cubin --keep-ptx --dump-dir {dump}"
+            launch, *args, make_fake_stream(), options=f"--gpu-arch {arch} --keep-cubin --keep-ptx --dump-dir {dump}"
         )
         cubin, ptx = compiled.artifacts.CUBIN, compiled.artifacts.PTX
     (entry,) = compiled.kernel_info.keys()
@@ -189,9 +200,9 @@ def compile_variant(key: dict, build: M.Build = M.GROUPED, trace: bool = False, 
     )
 
 
-def compile_publish() -> dict:
-    """The publish kernel of mode="peer" (cute/publish.py): one cubin for every R and T; returns
-    the manifest's "publish" entry plus "cubin_bytes"."""
+def compile_publish(arch: str = ARCH) -> dict:
+    """The publish kernel of mode="peer" (cute/publish.py) for `arch`: one cubin for every R and T;
+    returns the manifest's "publish" entry plus "cubin_bytes"."""
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
 
@@ -203,7 +214,7 @@ def compile_publish() -> dict:
             publish.Publish().launch,
             *args,
             make_fake_stream(),
-            options=f"--gpu-arch {ARCH} --keep-cubin --keep-ptx --dump-dir {dump}",
+            options=f"--gpu-arch {arch} --keep-cubin --keep-ptx --dump-dir {dump}",
         )
         cubin, ptx = compiled.artifacts.CUBIN, compiled.artifacts.PTX
     (entry,) = compiled.kernel_info.keys()
@@ -216,9 +227,9 @@ def compile_publish() -> dict:
 
 
 def _compile_to(args) -> dict:
-    key, out_dir = args
+    key, out_dir, arch = args
     t0 = time.time()
-    result = compile_variant(key, M.FOLDED)
+    result = compile_variant(key, M.FOLDED, arch=arch)
     name = cubin_name(key)
     (Path(out_dir) / name).write_bytes(result.pop("cubin_bytes"))
     result["cubin"] = name
@@ -238,15 +249,17 @@ def dsl_version() -> str:
         return "unknown"
 
 
-def build_cubins(out_dir=None, keys=None, jobs: int | None = None, log=None) -> dict:
-    """Build into `out_dir` (default: manifest.default_dir()) `keys` (default: default_set()),
-    each as the folded build; writes the cubins and manifest.json; returns the manifest."""
+def build_cubins(out_dir=None, keys=None, jobs: int | None = None, log=None, arch: str = ARCH) -> dict:
+    """Build `keys` (default: default_set()) for `arch`, each as the folded build, into the cubin
+    directory `out_dir` (default: manifest.default_dir()), in `arch`'s place there
+    (manifest.arch_dir: sm_100a's in the subdirectory sm_100a/); writes the cubins and that
+    arch's manifest.json; returns the manifest."""
     from oproj_jax.contract import HIDDEN
 
-    out = Path(out_dir) if out_dir is not None else M.default_dir()
+    out = M.arch_dir(arch, out_dir)
     out.mkdir(parents=True, exist_ok=True)
     keys = default_set() if keys is None else [M.normalize_key(k) for k in keys]
-    work = [(k, str(out)) for k in _unique(keys)]  # keys equal once groups are effective
+    work = [(k, str(out), arch) for k in _unique(keys)]  # keys equal once groups are effective
     jobs = jobs or min(len(work), max(1, (os.cpu_count() or 1)))
     t0 = time.time()
     if jobs > 1 and len(work) > 1:
@@ -263,11 +276,11 @@ def build_cubins(out_dir=None, keys=None, jobs: int | None = None, log=None) -> 
         # entries of another build of the kernel sources are dropped (one fingerprint per
         # manifest), and entries of a build other than FOLDED, which nothing launches
         if (
-            old.get("arch") == ARCH
+            old.get("arch") == arch
             and old.get("H") == HIDDEN
             and old.get("fingerprint") == M.source_fingerprint(dsl_version())
         ):
-            rebuilt = {_ident(k) for k, _ in work}
+            rebuilt = {_ident(k) for k, _, _ in work}
             kept = [
                 e
                 for e in old.get("kernels", [])
@@ -275,9 +288,9 @@ def build_cubins(out_dir=None, keys=None, jobs: int | None = None, log=None) -> 
                 and _ident(M.normalize_key(e["key"])) not in rebuilt
                 and (out / e["cubin"]).is_file()
             ]
-    publish = compile_publish()  # ~2 s: always rebuilt, so it follows publish.py
+    publish = compile_publish(arch)  # ~2 s: always rebuilt, so it follows publish.py
     (out / publish["cubin"]).write_bytes(publish.pop("cubin_bytes"))
-    manifest = {"arch": ARCH, "cutlass_dsl": dsl_version(), "H": HIDDEN, "kernels": kept + built, "publish": publish}
+    manifest = {"arch": arch, "cutlass_dsl": dsl_version(), "H": HIDDEN, "kernels": kept + built, "publish": publish}
     M.seal(manifest, out)  # the source fingerprint and every cubin's sha256 (manifest.py, "Integrity")
     (out / M.MANIFEST).write_text(json.dumps(manifest, indent=1))
     # the cubins of dropped entries (other sources or builds, keys no longer normalized that way) would
@@ -288,10 +301,18 @@ def build_cubins(out_dir=None, keys=None, jobs: int | None = None, log=None) -> 
             orphan.unlink()
     if log:
         log(
-            f"built {len(built)} variants into {out} in {time.time() - t0:.1f} s "
+            f"built {len(built)} {arch} variants into {out} in {time.time() - t0:.1f} s "
             f"({len(kept)} kept from the old manifest)"
         )
     return manifest
+
+
+BUILD_ARCHS = tuple(M.ARCHS)  # what `python -m oproj_jax.build` builds: every arch
+
+
+def build_all(out_dir=None, keys=None, jobs: int | None = None, log=None, archs=BUILD_ARCHS) -> dict[str, dict]:
+    """build_cubins for each of `archs` into the cubin directory `out_dir`; arch -> its manifest."""
+    return {arch: build_cubins(out_dir, keys, jobs=jobs, log=log, arch=arch) for arch in archs}
 
 
 def _parse_key(text: str) -> dict:
@@ -319,9 +340,16 @@ def main(argv=None) -> int:
     group.add_argument(
         "--key", type=_parse_key, action="append", help="R,NB,has_delta,groups,reps,twoshot (repeatable)"
     )
+    parser.add_argument(
+        "--arch",
+        choices=list(M.ARCHS),
+        action="append",
+        help=f"the arch to build for (repeatable; default: every one, {', '.join(BUILD_ARCHS)})",
+    )
     parser.add_argument("--jobs", type=int, default=None, help="parallel compile processes")
     args = parser.parse_args(argv)
-    build_cubins(args.out, args.key, jobs=args.jobs, log=lambda s: print(s, file=sys.stderr))
+    archs = tuple(dict.fromkeys(args.arch)) if args.arch else BUILD_ARCHS
+    build_all(args.out, args.key, jobs=args.jobs, log=lambda s: print(s, file=sys.stderr), archs=archs)
     return 0
 
 

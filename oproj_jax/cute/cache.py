@@ -8,9 +8,10 @@ later call and process reuses it:
     $OPROJ_JAX_CACHE_DIR, else platformdirs.user_cache_dir("oproj_jax")/cubins (on Linux
     $XDG_CACHE_HOME/oproj_jax/cubins, else ~/.cache/oproj_jax/cubins)
       <source fingerprint>/            manifest.source_fingerprint(the installed DSL version)
-        <cubin_name>.cubin             the cubin (build.cubin_name)
+        <cubin_name>.cubin             the cubin (build.cubin_name), for sm_90a
         <cubin_name>.json              its manifest entry with "sha256", written last
         <cubin_name>.lock              held (filelock.FileLock) by the process that compiles it
+        sm_100a/                       the same for sm_100a (manifest.arch_dir, as the prebuilt set)
 
 The fingerprint directory holds only cubins of the installed kernel sources and DSL version:
 a change of either starts a new directory, so a stale cubin is never launched (old
@@ -64,9 +65,10 @@ def cache_root() -> Path:
     return disk_cache.user_cache_root() / "cubins"
 
 
-def directory() -> Path:
-    """This installation's cache directory: the root's subdirectory of the source fingerprint."""
-    return cache_root() / M.source_fingerprint(cute_build.dsl_version())
+def directory(arch: str = M.PRIMARY_ARCH) -> Path:
+    """This installation's cache directory for `arch`: the root's subdirectory of the source
+    fingerprint (for sm_100a its subdirectory sm_100a/, manifest.arch_dir)."""
+    return M.arch_dir(arch, cache_root() / M.source_fingerprint(cute_build.dsl_version()))
 
 
 @functools.cache
@@ -86,16 +88,16 @@ def disabled_reason() -> str | None:
     return None
 
 
-def _files(key: dict) -> tuple[Path, str, Path]:
-    """(the cache directory, the cubin's file name, its entry's path)."""
+def _files(key: dict, arch: str = M.PRIMARY_ARCH) -> tuple[Path, str, Path]:
+    """(the cache directory of `arch`, the cubin's file name, its entry's path)."""
     name = cute_build.cubin_name(key)
-    where = directory()
+    where = directory(arch)
     return where, name, where / (name.removesuffix(".cubin") + ".json")
 
 
-def cached(key: dict) -> bool:
-    """Whether some process has compiled `key` into the cache (not verified here)."""
-    return _files(key)[2].is_file()
+def cached(key: dict, arch: str = M.PRIMARY_ARCH) -> bool:
+    """Whether some process has compiled `key` for `arch` into the cache (not verified here)."""
+    return _files(key, arch)[2].is_file()
 
 
 def kernel_rejects(key: dict) -> str | None:
@@ -131,16 +133,17 @@ def _read_entry(path: Path, name: str) -> dict | None:
     return entry
 
 
-def _compile(key: dict, where: Path, name: str, entry_path: Path, why: str) -> dict:
+def _compile(key: dict, where: Path, name: str, entry_path: Path, why: str, arch: str = M.PRIMARY_ARCH) -> dict:
     log.warning(
-        "oproj_jax: compiling the CuTe cubin for %s into %s (%s); takes about a second, once",
+        "oproj_jax: compiling the CuTe cubin for %s (%s) into %s (%s); takes about a second, once",
         M.describe(key),
+        arch,
         where,
         why,
     )
     try:
         with _compile_lock:
-            result = cute_build.compile_variant(key, M.FOLDED)
+            result = cute_build.compile_variant(key, M.FOLDED, arch=arch)
     except Exception as err:
         raise RuntimeError(f"compiling the CuTe cubin for {M.describe(key)} failed: {err}") from err
     cubin = result.pop("cubin_bytes")
@@ -149,7 +152,7 @@ def _compile(key: dict, where: Path, name: str, entry_path: Path, why: str) -> d
         result,
         cubin=name,
         sha256=hashlib.sha256(cubin).hexdigest(),
-        arch=cute_build.ARCH,
+        arch=arch,
         cutlass_dsl=cute_build.dsl_version(),
         fingerprint=where.name,
     )
@@ -157,8 +160,8 @@ def _compile(key: dict, where: Path, name: str, entry_path: Path, why: str) -> d
     return entry
 
 
-def kernel(key: dict, why: str, rebuild: str) -> tuple[dict, dict, Path]:
-    """(a manifest for the cache directory, the entry of `key`, its verified
+def kernel(key: dict, why: str, rebuild: str, arch: str = M.PRIMARY_ARCH) -> tuple[dict, dict, Path]:
+    """(a manifest for the cache directory of `arch`, the entry of `key`, its verified
     cubin path); compiles it now if no process has (logging one line that says `why`). A cubin
     whose bytes differ from its entry is refused: ValueError naming it, `rebuild` (the command
     that adds it to the prebuilt set) and the file to delete. The caller has checked
@@ -166,7 +169,7 @@ def kernel(key: dict, why: str, rebuild: str) -> tuple[dict, dict, Path]:
     from oproj_jax.contract import HIDDEN
 
     key = M.normalize_key(key)
-    where, name, entry_path = _files(key)
+    where, name, entry_path = _files(key, arch)
     entry = _read_entry(entry_path, name)
     if entry is None:
         try:
@@ -175,7 +178,7 @@ def kernel(key: dict, why: str, rebuild: str) -> tuple[dict, dict, Path]:
             with disk_cache.locked(lock, LOCK_TIMEOUT_S, f"compiling the CuTe cubin {name}"):
                 entry = _read_entry(entry_path, name)  # a process this one waited for compiled it
                 if entry is None:
-                    entry = _compile(key, where, name, entry_path, why)
+                    entry = _compile(key, where, name, entry_path, why, arch)
         except TimeoutError:
             raise  # the lock's holder did not finish in time: the message names the lock file
         except OSError as err:
@@ -183,7 +186,7 @@ def kernel(key: dict, why: str, rebuild: str) -> tuple[dict, dict, Path]:
                 f"the cubin cache {where} is not writable ({err}): point ${ENV_CACHE_DIR} at a writable "
                 f"directory, or prebuild the variant with `{rebuild}`"
             ) from None
-    manifest = dict(dir=str(where), arch=cute_build.ARCH, H=HIDDEN)
+    manifest = dict(dir=str(where), arch=arch, H=HIDDEN)
     path = M.verified_cubin_path(
         manifest, entry, rebuild, otherwise=f", or delete {entry_path} to compile it again on first use"
     )

@@ -2,8 +2,10 @@
 
 No CuTe DSL import here: the FFI side reads the manifest on machines without the DSL.
 
-Directory: $OPROJ_JAX_CUBIN_DIR if set, else the package's `oproj_jax/cute/cubins/`.
-`manifest.json` there (written by `oproj_jax.cute.build`):
+Directory: $OPROJ_JAX_CUBIN_DIR if set, else the package's `oproj_jax/cute/cubins/`. One manifest
+per arch (ARCHS): the primary arch's (sm_90a) is the directory's own `manifest.json`, every other
+arch's is in a subdirectory named after it (`sm_100a/manifest.json`, its cubins beside it), same
+schema and file names (arch_dir). Each `manifest.json` (written by `oproj_jax.cute.build`):
   {"arch": "sm_90a", "cutlass_dsl": "4.8.1", "H": 7168,
    "kernels": [{"key": {...}, "min_ctas": 0, "fold": true, "cubin": "...", "entry": "...",
                 "dynamic_smem_bytes": N, "block": [128, 1, 1], "cluster": [7, 1, 1],
@@ -65,12 +67,56 @@ COMPILE_DEFINITIONS = ("ARCH", "consumer_kernel", "compile_variant", "compile_pu
 REBUILD_COMMAND = "python -m oproj_jax.build"  # cubins + manifest (and the FFI library)
 
 
+# The archs the cubins are built for -> the CUDA compute capability of the devices that load
+# them (an sm_XXa cubin runs on that one capability only). PRIMARY_ARCH's manifest is the cubin
+# directory's own, every other arch's is in the subdirectory named after it (arch_dir).
+ARCHS = {"sm_90a": "9.0", "sm_100a": "10.0"}
+PRIMARY_ARCH = "sm_90a"
+
+
 def default_dir() -> Path:
     """$OPROJ_JAX_CUBIN_DIR if set (and non-empty), else oproj_jax/cute/cubins/."""
     env = os.environ.get(ENV_DIR)
     if env:
         return Path(env)
     return PACKAGE_DIR
+
+
+def arch_dir(arch: str, directory=None) -> Path:
+    """Where `arch`'s manifest and cubins are under the cubin directory `directory` (default:
+    default_dir()): the directory itself for PRIMARY_ARCH, else its subdirectory `arch`."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch: expected one of {sorted(ARCHS)}, got {arch!r}")
+    base = Path(directory) if directory is not None else default_dir()
+    return base if arch == PRIMARY_ARCH else base / arch
+
+
+def arch_for_capability(capability) -> str | None:
+    """The arch whose cubins run on a device of this compute capability ("9.0" -> "sm_90a"), or None."""
+    return next((arch for arch, cc in ARCHS.items() if cc == str(capability)), None)
+
+
+def device_arch_name(capability) -> str:
+    """The device's own arch name for a compute capability ("10.0" -> "sm_100", "12.0" -> "sm_120")."""
+    try:
+        major, minor = (int(part) for part in str(capability).split("."))
+    except ValueError:
+        return f"compute capability {capability}"
+    return f"sm_{major}{minor}"
+
+
+def unserved_reason(device, capability) -> str:
+    """Why no CuTe cubin runs on `device` of this compute capability (one ARCHS has no arch for)."""
+    built = ", ".join(f"{arch} (compute capability {cc})" for arch, cc in ARCHS.items())
+    return (
+        f"device {device} has compute capability {capability} ({device_arch_name(capability)}): no CuTe cubin "
+        f"runs there; the CuTe kernel is built for {built} only"
+    )
+
+
+def built_archs(directory=None) -> list[str]:
+    """The archs (ARCHS order) with a manifest.json under the cubin directory `directory`."""
+    return [arch for arch in ARCHS if (arch_dir(arch, directory) / MANIFEST).is_file()]
 
 
 def make_key(R, NB, has_delta, groups, xmoe_replicas, twoshot) -> dict:
@@ -118,21 +164,36 @@ def effective_groups(R: int, groups: int, twoshot: bool = False) -> int:
     return -(-slots // per_group)
 
 
-def load_manifest(directory=None) -> dict:
-    """Read manifest.json from `directory` (default: default_dir()). Adds "dir" (a str)."""
-    directory = Path(directory) if directory is not None else default_dir()
+def load_manifest(directory=None, arch: str | None = None) -> dict:
+    """Read manifest.json from `directory` (default: default_dir()), or with `arch` the manifest of
+    that arch under the cubin directory `directory` (arch_dir), which must record that arch.
+    Adds "dir" (a str: where its cubins are)."""
+    root = Path(directory) if directory is not None else default_dir()
+    directory = root if arch is None else arch_dir(arch, root)
     path = directory / MANIFEST
     if not path.is_file():
+        if arch is None:
+            raise FileNotFoundError(
+                f"no CuTe cubin manifest at {path}: build the kernels with "
+                f"`python -m oproj_jax.cute.build --out {directory}` on a machine with "
+                f"nvidia-cutlass-dsl (pip install oproj-jax[cute]), or point ${ENV_DIR} at a "
+                f"directory that has them"
+            )
+        built = ", ".join(built_archs(root)) or "none"
         raise FileNotFoundError(
-            f"no CuTe cubin manifest at {path}: build the kernels with "
-            f"`python -m oproj_jax.cute.build --out {directory}` on a machine with "
-            f"nvidia-cutlass-dsl (pip install oproj-jax[cute]), or point ${ENV_DIR} at a "
-            f"directory that has them"
+            f"no CuTe cubins for {arch} (compute capability {ARCHS[arch]}) in {root}: {path} is missing "
+            f"(archs built there: {built}); build them with `{REBUILD_COMMAND}` (every arch) or "
+            f"`python -m oproj_jax.cute.build --arch {arch} --out {root}` on a machine with nvidia-cutlass-dsl "
+            f"(pip install oproj-jax[cute]), or point ${ENV_DIR} at a directory that has them"
         )
     manifest = json.loads(path.read_text())
     for field in ("arch", "H", "kernels"):
         if field not in manifest:
             raise ValueError(f"{path}: malformed manifest, field {field!r} missing")
+    if arch is not None and manifest["arch"] != arch:
+        raise ValueError(
+            f"{path}: the manifest of {arch} records arch {manifest['arch']!r}; rebuild it with `{REBUILD_COMMAND}`"
+        )
     manifest["dir"] = str(directory)
     return manifest
 

@@ -145,8 +145,9 @@ class PeerResult(NamedTuple):
 
 
 def _publish_kernel() -> tuple[str, str]:
-    """(cubin path, entry) of the publish kernel, or a ValueError naming the build command."""
-    parsed, where = backend._manifest()
+    """(cubin path, entry) of the publish kernel for the devices' arch, or a ValueError naming the
+    build command."""
+    parsed, where = backend._manifest(backend._device_arch())
     if parsed is None:
         raise ValueError(f"no CuTe cubins/manifest found ({where})")
     manifest = parsed[0]
