@@ -36,9 +36,6 @@ TARGET = ffi.TRITON_TARGET  # record stage: a graph node, updated in place
 TRACED_TARGET = ffi.TRITON_TRACED_TARGET  # no record stage: traced by stream capture
 RECORD_MAX_T = ffi.RECORD_MAX_T  # above it the launch names TRACED_TARGET (ffi.py says why)
 CACHE_ENV = disk_cache.ENV_CACHE_DIR  # "OPROJ_JAX_CACHE_DIR"
-# How long a process waits for another that stores the same cubin (a write of a few hundred KiB)
-# before it gives up with a TimeoutError naming the lock file.
-LOCK_TIMEOUT_S = 60.0
 POINTER_TYPES = {np.dtype(jnp.bfloat16): "*bf16", np.dtype(np.float32): "*fp32", np.dtype(np.int32): "*i32"}
 
 
@@ -89,10 +86,10 @@ def compile_launch(launch: launch_plan.Launch, pointer_types: tuple[str, ...], c
     image = compiled.asm["cubin"]
     path = cache_dir() / f"{meta.name}-{hashlib.sha256(image).hexdigest()[:24]}.cubin"
     if not path.is_file():
+        # No lock: the name is the content's hash, so processes storing it at once write the same
+        # bytes, and each write is atomic (a reader never sees half a file).
         path.parent.mkdir(parents=True, exist_ok=True)
-        with disk_cache.locked(path.with_suffix(".lock"), LOCK_TIMEOUT_S, f"storing the Triton cubin {path.name}"):
-            if not path.is_file():  # stored meanwhile by the process this one waited for
-                disk_cache.write_atomically(path, image)  # another process never reads half a file
+        disk_cache.write_atomically(path, image)
     return Image(str(path), meta.name, int(meta.shared), 32 * meta.num_warps, extra)
 
 
