@@ -20,8 +20,13 @@
 #            (benchmarks/triton_gpu.py)
 #   triton-record  the Triton record: 3 runs of triton_gpu.py, merged (benchmarks/triton_record.py:
 #            the median per T and launch); $TRITON_TOKENS (default 1,8,64,512,4096) the T to run
+#   launcher the GPU tests of every path through the FFI launch target and the peer transport
+#            (cute: ready, protocol, twoshot, the cubin family; peer in one process, across
+#            processes and its faults; triton), then the host time per call at T=1 of this
+#            launcher against the one in .dev/old (benchmarks/launch_ab.py; prepare .dev/old on
+#            a CPU machine with `python benchmarks/launch_ab.py --prepare-old REV` and carry it)
 # Build first (python -m oproj_jax.build; pip wheel . --no-deps -w .whl) and carry
-# oproj_jax/_lib, oproj_jax/cute/cubins and .whl.
+# oproj_jax/_lib, oproj_jax/cute/cubins and .whl (and .dev for the launcher stage).
 # Usage on the GPU machine: bash benchmarks/gpu_stages.sh OUTDIR checks,record,...
 set -u
 out=${1:-${OUT:-/tmp/oproj_gpu}}
@@ -104,4 +109,13 @@ if has triton-record; then
   done
   python3 benchmarks/triton_record.py --out "$out/triton-record.json" "$out"/triton-run*/*.json
   rm -rf "$out"/triton-run?
+fi
+if has launcher; then
+  stage launcher-tests 380 python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short -n 8 --dist loadfile \
+    tests/test_cute_gpu.py tests/test_cute_family_gpu.py tests/test_peer_gpu.py tests/test_peer_faults_gpu.py \
+    tests/test_peer_processes_gpu.py tests/test_triton_gpu.py
+  tail -n 25 "$out/launcher-tests.txt"
+  stage launcher-ab 190 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/launch_ab.py --old .dev/old --out "$out" \
+    --tokens 1 --rounds 3 --budget 120
+  tail -n 12 "$out/launcher-ab.txt"
 fi

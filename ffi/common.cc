@@ -26,14 +26,18 @@ ffi::ErrorOr<CUfunction> GetFunction(std::string_view cubin, std::string_view en
   CUcontext ctx = nullptr;  // cuCtxGetCurrent (not cuStreamGetCtx) also works during capture
   if (CUresult r = driver().CtxGetCurrent(&ctx)) return CudaError(r, entry, "cuCtxGetCurrent");
   if (!ctx) return ffi::Error::Internal(std::string(entry) + ": no current CUDA context");
-  // Lock-free fast path: a call site asks for the same kernel on every execution, from XLA's
-  // thread for its device; the last answer per thread is kept (no allocation, no lock).
-  thread_local struct {
+  // Lock-free fast path: a call site asks for the same kernels on every execution, from XLA's
+  // thread for its device; the last few answers per thread are kept (no allocation, no lock).
+  // Several: a peer call launches two kernels, a step several call sites.
+  struct Hit {
     CUcontext ctx = nullptr;
     std::string cubin, entry;
     CUfunction fn = nullptr;
-  } last;
-  if (last.fn && last.ctx == ctx && last.entry == entry && last.cubin == cubin) return last.fn;
+  };
+  thread_local Hit last[4];
+  thread_local unsigned next = 0;
+  for (const Hit& hit : last)
+    if (hit.fn && hit.ctx == ctx && hit.entry == entry && hit.cubin == cubin) return hit.fn;
   std::lock_guard<std::mutex> lock(cache_mutex);
   auto key = std::make_tuple(ctx, std::string(cubin), std::string(entry));
   auto it = functions.find(key);
@@ -42,7 +46,8 @@ ffi::ErrorOr<CUfunction> GetFunction(std::string_view cubin, std::string_view en
     if (loaded.has_error()) return loaded.error();
     it = functions.emplace(std::move(key), *loaded).first;
   }
-  last.ctx = ctx, last.cubin = cubin, last.entry = entry, last.fn = it->second;
+  Hit& slot = last[next++ % 4];
+  slot.ctx = ctx, slot.cubin = cubin, slot.entry = entry, slot.fn = it->second;
   return it->second;
 }
 
@@ -79,47 +84,6 @@ ffi::ErrorOr<CUfunction> LoadFunction(std::string_view cubin, std::string_view e
   if (CUresult r = driver().FuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1))
     return CudaError(r, entry, "cuFuncSetAttribute(NON_PORTABLE_CLUSTER_SIZE_ALLOWED)");
   return fn;
-}
-
-// ---- launch -----------------------------------------------------------------------------------
-ffi::Error Launch(CUstream stream, const LaunchSpec& spec, void** params) {
-  // Loaded by the initialize stage (a traced target) or by the first call, then a cache hit.
-  auto fn = GetFunction(spec.cubin, spec.entry, spec.smem);
-  if (fn.has_error()) return fn.error();
-  CUlaunchAttribute attrs[2] = {};
-  attrs[0].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-  attrs[0].value.clusterDim.x = kCluster;
-  attrs[0].value.clusterDim.y = 1;
-  attrs[0].value.clusterDim.z = 1;
-  attrs[1].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-  attrs[1].value.programmaticStreamSerializationAllowed = spec.pdl ? 1 : 0;
-  CUlaunchConfig config = {};
-  config.gridDimX = kCluster;
-  config.gridDimY = unsigned(spec.tokens);
-  config.gridDimZ = 1;
-  config.blockDimX = unsigned(spec.block);
-  config.blockDimY = 1;
-  config.blockDimZ = 1;
-  config.sharedMemBytes = unsigned(spec.smem);
-  config.hStream = stream;
-  config.attrs = attrs;
-  config.numAttrs = 2;
-  if (CUresult r = driver().LaunchKernelEx(&config, *fn, params, nullptr)) return CudaError(r, spec.entry, "cuLaunchKernelEx");
-  return ffi::Error::Success();
-}
-
-ffi::Error CheckVariant(std::string_view entry, ffi::Span<const int64_t> variant, int64_t slots, int64_t nb,
-                        int64_t reps) {
-  if (variant.size() != 3)
-    return ffi::Error::InvalidArgument(std::string(entry) + ": variant: expected [slots, NB, reps], got " +
-                                       std::to_string(variant.size()) + " values");
-  const char* names[3] = {"slots (R)", "completed blocks (NB)", "xmoe replicas"};
-  const int64_t got[3] = {slots, nb, reps};
-  for (int i = 0; i < 3; ++i)
-    if (variant[i] != got[i])
-      return ffi::Error::InvalidArgument(std::string(entry) + ": the cubin is built for " + names[i] + " = " +
-                                         std::to_string(variant[i]) + ", the operands have " + std::to_string(got[i]));
-  return ffi::Error::Success();
 }
 
 }  // namespace oproj

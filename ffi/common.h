@@ -1,5 +1,6 @@
 // What every FFI target of the library shares: the CUDA driver (dlopen'ed libcuda), error
-// formatting, the per-context module cache and the cluster launch of a CuTe cubin.
+// formatting, the per-context module cache, XLA's record API and the target registration.
+// The launch itself (a cubin, its launch shape and a typed parameter list) is launch.h's.
 #pragma once
 
 #include <dlfcn.h>
@@ -19,8 +20,6 @@ namespace oproj {
 
 namespace ffi = xla::ffi;
 
-
-constexpr unsigned kCluster = 7;  // CTAs per token: 7 * 128 threads * 8 elements = H = 7168
 
 // ---- the driver, through dlopen (the JAX CUDA plugin has already mapped libcuda) ----------
 struct Driver {
@@ -113,53 +112,21 @@ inline ffi::Error CudaError(CUresult result, std::string_view entry, std::string
                               (text ? text : "no description") + ")");
 }
 
-// ---- module cache and launch (common.cc) ------------------------------------------------------
+// ---- module cache (common.cc) ------------------------------------------------------------------
 // The kernel of (current context, cubin path, entry), loaded on first use and cached for the
-// process; max dynamic shared memory is set on load, and for a cluster kernel (every CuTe one)
-// the non-portable cluster size, an attribute GPUs before sm_90 refuse.
-ffi::ErrorOr<CUfunction> GetFunction(std::string_view cubin, std::string_view entry, int64_t smem,
-                                     bool cluster = true);
-
-struct LaunchSpec {
-  std::string_view cubin, entry;
-  int64_t smem, block;
-  bool pdl;
-  int64_t tokens;
-};
-
-// cuLaunchKernelEx of grid (kCluster, tokens), cluster (kCluster, 1, 1), PDL when spec.pdl.
-ffi::Error Launch(CUstream stream, const LaunchSpec& spec, void** params);
+// process; max dynamic shared memory is set on load, and for a cluster launch the non-portable
+// cluster size, an attribute GPUs before sm_90 refuse.
+ffi::ErrorOr<CUfunction> GetFunction(std::string_view cubin, std::string_view entry, int64_t smem, bool cluster);
 
 // The bytes of a cubin file, read once and kept for the process (the record stage hands them to
 // XLA, which loads its own module from them).
 ffi::ErrorOr<const std::string*> CubinImage(std::string_view cubin, std::string_view entry);
-
-// The "variant" attribute, [slots, NB, reps]: what the cubin was compiled for (its mailbox or
-// receive slots, completed blocks and xmoe replicas are compile-time constants). Operands of
-// other shapes would make the kernel read or write out of bounds, so they are refused before
-// anything is launched or recorded.
-ffi::Error CheckVariant(std::string_view entry, ffi::Span<const int64_t> variant, int64_t slots, int64_t nb,
-                        int64_t reps);
 
 // ---- the record stage ---------------------------------------------------------------------------
 // XLA's command-buffer recording API (xla/ffi/api/record_api.h): a handler's record stage adds
 // kernel / memcpy nodes to XLA's CUDA graph and later updates their arguments in place.
 using RecordContext = ffi::internal::RecordContextBase<ffi::internal::ErrorPolicy>;
 struct RecordExtension : ffi::internal::RecordExtensionBase<RecordContext> {};
-
-// The attributes every consumer variant carries. A call may name them in any order (they are
-// matched by name); a handler takes them as parameters in this order (cute_consumer.cc;
-// cute_peer.cc binds the publish kernel's after them).
-#define OPROJ_ATTRS                                                                 \
-  .Attr<std::string_view>("cubin")       /* absolute path of the variant's cubin */ \
-      .Attr<std::string_view>("entry")   /* its kernel entry (mangled) name */      \
-      .Attr<int64_t>("smem")             /* dynamic shared memory, bytes */         \
-      .Attr<int64_t>("block")            /* threads per CTA = 128 * groups */       \
-      .Attr<float>("eps")                /* AttnRes key RMSNorm epsilon */          \
-      .Attr<float>("out_eps")            /* output RMSNorm epsilon */               \
-      .Attr<int32_t>("timeout_us")       /* wall-time bound of a wait, microseconds */ \
-      .Attr<bool>("pdl")                 /* programmatic stream serialization */     \
-      .Attr<ffi::Span<const int64_t>>("variant") /* [slots, NB, reps] the cubin is built for */
 
 // ---- target registration --------------------------------------------------------------------------
 // jax.ffi.register_ffi_target passes only the instantiate/prepare/initialize/execute stages to

@@ -4,14 +4,20 @@
 // A group runs in one process driving all its GPUs (JAX's usual single-host layout), or with one
 // rank per process ("groups across processes" below: the same, except that each process
 // allocates only its own rank's mailbox and maps the others' by CUDA IPC). Each group (its
-// devices' CUDA ordinals in rank order) has ONE mailbox per device, [R, max_tokens, H] bf16 plus
-// its meeting words, allocated when the group opens (first use, or the cross-process connect)
+// devices' CUDA ordinals in rank order) has ONE mailbox per device, R slots of max_tokens rows of
+// row_bytes (both from the call: [R, max_tokens, H] bf16) plus its meeting words, allocated when
+// the group opens (first use, or the cross-process connect)
 // in the device's primary context, peer access enabled between every pair, armed with the
 // sentinel 0x80000000; every T <= max_tokens uses rows 0..T-1 of each slot, so a fragment's
 // address never depends on T. Per device and group, 64 bytes of control words come from a pool
 // that is never freed (see "Fail-stop"). OprojPeerClose frees the mailboxes and unmaps the
-// other processes' (peer.close()); memory: R * max_tokens * H * 2 + 256 bytes per group and
-// device (117 MiB at R=16, max_tokens=512), plus the 64 KiB pool per device.
+// other processes' (peer.close()); memory: R * max_tokens * row_bytes plus R u64 meeting words
+// (256 bytes up to R = 32) per group and device, plus the 64 KiB pool per device.
+//
+// The kernels are Python's: the call's attributes name the publish launch and the consumer
+// launch (launch.h: cubin, shape, typed parameters). What only this file knows reaches them as
+// the parameter kinds it resolves: this rank's mailbox, its slot in every rank's mailbox, its
+// control words, and a scalar that is 0 on one rank (a test's rank that publishes nothing).
 //
 // One call on rank `me`:
 //   1. publish kernel (cute/publish.py): for each 16-byte fragment of the partial [T, H]
@@ -80,12 +86,12 @@
 // fail-stop word and reads NaN for every fragment it did not receive (it re-arms only those it
 // read); a publish thread that gives up stores nothing there and ORs 4 into both flags[2] and the
 // fail-stop word. Both kernels read the fail-stop word first: a nonzero word makes the call
-// refuse (status 8 | the word; no mailbox access at all; prefix, output and xmoe NaN). So after
+// refuse (status 8 | the word; no mailbox access at all; every output NaN). So after
 // the first failure no step of that rank can consume a late publish as its own, and the ranks
 // it waits for fail in turn (each within one timeout): every later step of the group is refused
 // on every rank until OprojPeerReset (peer.reset(), with no call in flight), which re-arms every
-// slot and zeroes the control words. `skip_rank` (tests only) makes that rank launch the
-// publish kernel with no destination.
+// slot and zeroes the control words. A test's rank that publishes nothing launches the publish
+// kernel with no destination (its n_dest: kPeerU32UnlessRank).
 //
 // ---- First calls meet -----------------------------------------------------------------------
 // In a group across processes each process compiles on its own clock. The first execution of
@@ -102,15 +108,14 @@
 //
 // ---- Command buffers ------------------------------------------------------------------------
 // The target is command-buffer compatible and has a record stage (OprojPeerRecord): inside an
-// XLA command buffer it adds [a memcpy of an unaliased prefix,] the publish kernel node (no
-// cluster) and the consumer node (cluster (7, 1, 1)) depending on it, both with PDL; when XLA
+// XLA command buffer it adds [a memcpy of an unaliased prefix,] the publish kernel node and the
+// consumer node depending on it, each with its launch's cluster and PDL attributes; when XLA
 // hands new buffers (partial, prefix, outputs) it updates their arguments. The mailboxes and
 // control blocks are this library's and never move, so a recorded graph stays valid until the
 // process ends.
 #include <cuda.h>
 
 #include <algorithm>
-#include <array>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -124,29 +129,19 @@
 #include <vector>
 
 #include "common.h"
+#include "launch.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-using namespace oproj;  // driver(), CudaError, GetFunction, Launch, CubinImage, kCluster
+using namespace oproj;  // driver(), CudaError, Kernel, Copies, Resolver, the parameter kinds
 
-constexpr int64_t kMaxRanks = 16;  // publish kernel destinations (cute/publish.py MAX_RANKS)
-constexpr int64_t kHidden = int64_t(kCluster) * 1024;
-constexpr unsigned kSentinel = 0x80000000u;
-constexpr unsigned kPublishThreads = 128;
-constexpr int kPublishParams = 1 + kMaxRanks + 5;  // cute/publish.py PUBLISH_PARAMS
+constexpr unsigned kSentinel = 0x80000000u;  // an empty mailbox word (docs/spec.md "Mailbox protocol")
 constexpr const char* kTarget = "oproj_cute_peer";
 
-using Bf16_1 = ffi::Buffer<ffi::BF16, 1>;
-using Bf16_2 = ffi::Buffer<ffi::BF16, 2>;
-using Bf16_3 = ffi::Buffer<ffi::BF16, 3>;
-// [3] i32: consumer status (0 = ok, else peer.py's bits 1, 8), hints counter (scratch), publish
-// status (0 = ok, else bits 4, 8)
-using Flags = ffi::Buffer<ffi::S32, 1>;
-
-ffi::Error Invalid(const std::string& what) { return ffi::Error::InvalidArgument(std::string(kTarget) + ": " + what); }
+ffi::Error Invalid(const std::string& what) { return oproj::Invalid(kTarget, what); }
 
 // One call site's state (the instantiate stage makes it once per executable): whether its first
 // execution has met the other processes (Meet).
@@ -158,14 +153,14 @@ ffi::TypeId Site::id = {};
 const bool site_registered = AddStateType({"oproj_peer_site", &Site::id, ffi::MakeTypeInfo<Site>()});
 
 // ---- the groups' memory ------------------------------------------------------------------------
-// Layout of one rank's mailbox allocation: R slots of max_tokens rows ([R, max_tokens, H] bf16;
-// a call with T tokens uses rows 0..T-1 of every slot, so each fragment's address is the same
-// for every T), then the meeting words (R u64, one per rank: how many first-call meetings that
-// rank has entered). The control words of a rank live apart, in a per-device pool that is never
+// Layout of one rank's mailbox allocation: R slots of max_tokens rows of row_bytes ([R,
+// max_tokens, H] bf16; a call with T tokens uses rows 0..T-1 of every slot, so each fragment's
+// address is the same for every T), then the meeting words (R u64, one per rank: how many
+// first-call meetings that rank has entered, padded to kMeetAlign bytes). The control words of a rank live apart, in a per-device pool that is never
 // freed (kControlBytes each: u64 CTA counter of the publish kernel at 0, u32 fail-stop word at 8,
 // u32 publish status accumulator at 12), so that an executable recorded before close() still
 // finds them: the kernels read the fail-stop word (kClosed) before anything else and refuse.
-constexpr size_t kMeetBytes = 256;         // R <= 16 u64 meeting words, padded
+constexpr size_t kMeetAlign = 256;         // the meeting words' size is a multiple of it
 constexpr size_t kControlBytes = 64;       // one rank's control words
 constexpr size_t kControlPoolBytes = 1 << 16;  // per device: 1024 groups opened over the process's life
 constexpr unsigned kClosed = 16;           // the fail-stop word of a closed group (peer.STATUS_CLOSED)
@@ -180,8 +175,10 @@ struct Key {
 
 struct Group {
   int64_t capacity = 0;             // max_tokens: rows per slot
-  size_t slot_bytes = 0;            // capacity * H * 2
+  int64_t row_bytes = 0;            // bytes per row
+  size_t slot_bytes = 0;            // capacity * row_bytes
   size_t mailbox_bytes = 0;         // R * slot_bytes; the meeting words follow
+  size_t meet_bytes = 0;            // R u64, padded to kMeetAlign
   std::vector<CUcontext> contexts;  // per rank: the primary context its base is mapped in
   std::vector<CUdeviceptr> base;    // per rank: its mailbox allocation (here, or mapped by IPC)
   std::vector<bool> owned;          // per rank: allocated here (armed, reset, freed here)
@@ -295,11 +292,12 @@ void Release(Group& g) {
 // processes), the mailbox allocation and control words, enables peer access between the
 // devices of a one-process group, arms the slots and zeroes the meeting words. On failure
 // everything it allocated is released.
-ffi::Error Open(const Key& key, int64_t capacity, Group& g) {
+ffi::Error Open(const Key& key, int64_t capacity, int64_t row_bytes, Group& g) {
   const size_t R = key.ordinals.size();
-  g.capacity = capacity;
-  g.slot_bytes = size_t(capacity) * size_t(kHidden) * 2;
+  g.capacity = capacity, g.row_bytes = row_bytes;
+  g.slot_bytes = size_t(capacity) * size_t(row_bytes);
   g.mailbox_bytes = R * g.slot_bytes;
+  g.meet_bytes = (R * 8 + kMeetAlign - 1) / kMeetAlign * kMeetAlign;
   g.contexts.assign(R, nullptr);
   g.base.assign(R, 0);
   g.owned.assign(R, false);
@@ -337,14 +335,14 @@ ffi::Error Open(const Key& key, int64_t capacity, Group& g) {
     {
       ScopedContext scope(g.contexts[r]);
       if (scope.result()) return fail(CudaError(scope.result(), kTarget, "cuCtxPushCurrent"));
-      if (CUresult e = driver().MemAlloc(&g.base[r], g.mailbox_bytes + kMeetBytes))
-        return fail(CudaError(e, kTarget, "cuMemAlloc (" + std::to_string(g.mailbox_bytes + kMeetBytes) +
-                                               " bytes of mailbox: R * max_tokens * H * 2 plus the meeting words)"));
+      if (CUresult e = driver().MemAlloc(&g.base[r], g.mailbox_bytes + g.meet_bytes))
+        return fail(CudaError(e, kTarget, "cuMemAlloc (" + std::to_string(g.mailbox_bytes + g.meet_bytes) +
+                                               " bytes of mailbox: R * max_tokens * row_bytes plus the meeting words)"));
     }
     auto control = TakeControl(key.ordinals[r], g.contexts[r]);
     if (control.has_error()) return fail(control.error());
     g.control[r] = *control;
-    if (auto e = Fill(g.contexts[r], g.base[r] + g.mailbox_bytes, 0, kMeetBytes / 4, "zeroing the meeting words");
+    if (auto e = Fill(g.contexts[r], g.base[r] + g.mailbox_bytes, 0, g.meet_bytes / 4, "zeroing the meeting words");
         e.failure())
       return fail(e);
   }
@@ -352,22 +350,52 @@ ffi::Error Open(const Key& key, int64_t capacity, Group& g) {
   return ffi::Error::Success();
 }
 
-// Where rank `me` of a group publishes and polls: the same addresses on every call (what lets a
-// recorded graph keep them).
+// What a call of rank `me` needs beyond its kernels' parameters: whether its first execution
+// meets the other processes first, and where.
 struct Route {
-  CUdeviceptr dest[kMaxRanks] = {};  // slot `me` of every rank's mailbox
-  CUdeviceptr mailbox = 0;           // this rank's own mailbox
-  CUdeviceptr control = 0;           // this rank's control words
-  // a group across processes, open: what a first-call meeting needs
-  bool meets = false;
+  bool meets = false;                   // a group across processes, open
   std::vector<CUdeviceptr> meet_words;  // per rank: its meeting words (the mapping in this context)
   CUcontext context = nullptr;
 };
 
-// The route of rank `me` of the group `key`, opening a one-process group on first use. A closed
-// group across processes (peer.close(); reconnected only when a step is traced again) routes to
-// its retired control words: both kernels refuse (status kClosed) and touch no mailbox.
-ffi::ErrorOr<Route> GetRoute(const Key& key, size_t me, int64_t capacity) {
+// The peer kinds of launch.h for rank `me` of an open group (or, for `g` null, a closed group's
+// retired control words only): the same addresses on every call, which lets a recorded graph
+// keep them.
+class GroupResolver : public Resolver {
+ public:
+  GroupResolver(const Group* g, size_t me, CUdeviceptr control) : g_(g), me_(me), control_(control) {}
+
+  ffi::Error Resolve(int64_t kind, int64_t value, int64_t extra, Param& out) const override {
+    switch (kind) {
+      case kPeerMailbox:  // this rank's own mailbox
+        out = Param{g_ ? g_->base[me_] + uint64_t(extra) : 0, 8, true};
+        return ffi::Error::Success();
+      case kPeerSlot:  // slot `me` of rank `value`'s mailbox
+        out = Param{g_ && value >= 0 && size_t(value) < g_->base.size() ? g_->base[value] + me_ * g_->slot_bytes : 0,
+                    8, true};
+        return ffi::Error::Success();
+      case kPeerControl:  // this rank's control words
+        out = Param{control_ + uint64_t(extra), 8, true};
+        return ffi::Error::Success();
+      case kPeerU32UnlessRank:
+        out = Param{int64_t(me_) == extra ? 0 : uint64_t(uint32_t(value)), 4, false};
+        return ffi::Error::Success();
+    }
+    return Invalid("params: kind " + std::to_string(kind) + " is not a parameter kind of launch.h");
+  }
+
+ private:
+  const Group* g_;
+  size_t me_;
+  CUdeviceptr control_;
+};
+
+// Rank `me`'s route in the group `key` (opening a one-process group on first use), and `plan`
+// run with the group's resolver while the group cannot be closed. A closed group across
+// processes (peer.close(); reconnected only when a step is traced again) resolves to its retired
+// control words and null mailboxes: both kernels refuse (status kClosed) and touch no mailbox.
+template <typename PlanFn>
+ffi::ErrorOr<Route> GetRoute(const Key& key, size_t me, int64_t capacity, int64_t row_bytes, PlanFn&& plan) {
   std::lock_guard<std::mutex> lock(groups_mutex);
   auto it = groups.find(key);
   Route route;
@@ -375,7 +403,7 @@ ffi::ErrorOr<Route> GetRoute(const Key& key, size_t me, int64_t capacity) {
     if (key.cross()) {
       auto old = retired.find(key);
       if (old != retired.end() && old->second[me]) {
-        route.control = old->second[me];
+        if (auto e = plan(GroupResolver(nullptr, me, old->second[me])); e.failure()) return e;
         return route;
       }
       return Invalid(
@@ -383,17 +411,16 @@ ffi::ErrorOr<Route> GetRoute(const Key& key, size_t me, int64_t capacity) {
           "(oproj_jax.cute.peer_ipc.connect, which tp_consumer runs when it traces a step, maps them)");
     }
     Group fresh;
-    if (auto error = Open(key, capacity, fresh); error.failure()) return error;
+    if (auto error = Open(key, capacity, row_bytes, fresh); error.failure()) return error;
     it = groups.emplace(key, std::move(fresh)).first;
   }
   const Group& g = it->second;
-  if (g.capacity != capacity)
+  if (g.capacity != capacity || g.row_bytes != row_bytes)
     return Invalid("max_tokens: this group's mailboxes are open with max_tokens = " + std::to_string(g.capacity) +
-                   ", this call has " + std::to_string(capacity) +
+                   " rows of " + std::to_string(g.row_bytes) + " bytes, this call has " + std::to_string(capacity) +
+                   " of " + std::to_string(row_bytes) +
                    "; every call of a group uses one max_tokens (or call oproj_jax.cute.peer.close() first)");
-  for (size_t r = 0; r < g.base.size(); ++r) route.dest[r] = g.base[r] + me * g.slot_bytes;
-  route.mailbox = g.base[me];
-  route.control = g.control[me];
+  if (auto e = plan(GroupResolver(&g, me, g.control[me])); e.failure()) return e;
   if (key.cross()) {
     route.meets = true;
     route.context = g.contexts[me];
@@ -445,24 +472,14 @@ ffi::Error Meet(const Key& key, size_t me, const Route& route, float timeout_s) 
   }
 }
 
-// ---- shape checks, the group ------------------------------------------------------------------
-std::string Shape(ffi::Span<const int64_t> dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
-}
-
-ffi::Error ShapeError(std::string_view name, std::string_view expected, ffi::Span<const int64_t> got) {
-  return Invalid(std::string(name) + ": expected shape " + std::string(expected) + ", got " + Shape(got));
-}
-
+// ---- the group of this device ------------------------------------------------------------------
 // Finds this device in the group table ([groups, R] CUDA ordinals, flattened): its row is the
 // group, its column `me`. With `check_context`, checked against the current context, whose
 // device the module cache and the launches use (execute; the record stage hands XLA the cubin
 // bytes and never launches itself).
 ffi::ErrorOr<std::pair<Key, size_t>> FindGroup(int32_t ordinal, ffi::Span<const int64_t> table, int64_t ranks,
                                                bool check_context) {
-  if (ranks < 1 || ranks > kMaxRanks) return Invalid("ranks: expected 1..16, got " + std::to_string(ranks));
+  if (ranks < 1) return Invalid("ranks: expected R >= 1, got " + std::to_string(ranks));
   if (table.size() == 0 || table.size() % size_t(ranks))
     return Invalid("group: expected [groups, R = " + std::to_string(ranks) + "] device ordinals, got " +
                    std::to_string(table.size()) + " values");
@@ -481,256 +498,94 @@ ffi::ErrorOr<std::pair<Key, size_t>> FindGroup(int32_t ordinal, ffi::Span<const 
   return std::make_pair(std::move(key), index % size_t(ranks));
 }
 
-// A zero-size buffer may have no storage; the kernel ignores it but wants a valid pointer.
-void* OrValid(void* maybe, size_t count, void* valid) { return count ? maybe : valid; }
-
 // ---- one call's work --------------------------------------------------------------------------
-// [a copy of an unaliased prefix,] the publish launch, the consumer launch. The execute stage
-// runs it on the stream, the record stage turns it into graph nodes (and updates them).
+// [a copy of an unaliased in-place operand,] the publish launch, the consumer launch. The execute
+// stage runs it on the stream, the record stage turns it into graph nodes (and updates them).
 struct PeerPlan {
-  // the publish kernel's parameters, cute/publish.py PUBLISH_PARAMS order
-  void* src = nullptr;
-  void* dests[kMaxRanks] = {};
-  int32_t n_dest = 0;
-  void* flags = nullptr;
-  int32_t fragments = 0, timeout_us = 0;
-  void* control = nullptr;
-  std::string_view publish_cubin, publish_entry;
-  // the consumer's parameters, cute/ABI.md order (0..14; `control` above is param 14)
-  void* ptr[10] = {};
-  float eps = 0, out_eps = 0;
-  int32_t tokens = 0;  // the slots' capacity (max_tokens): the slot stride; the grid has T rows
-  LaunchSpec consumer{};
+  Kernel publish, consumer;
+  Copies copies;
   // the call site's first execution of a group across processes meets the other ranks first
   Key key;
   size_t me = 0;
   Route route;
-  // the kernel updates one prefix pointer: where XLA did not alias, copy first
-  const void* prefix_in = nullptr;
-  void* prefix_out = nullptr;
-  size_t prefix_bytes = 0;
-
-  PeerPlan() = default;
-  PeerPlan(const PeerPlan&) = delete;  // the params arrays point into this object
-
-  bool copies_prefix() const { return prefix_in != prefix_out && prefix_bytes; }
-  int32_t publish_grid() const { return int32_t((unsigned(fragments) + kPublishThreads - 1) / kPublishThreads); }
-
-  void** publish_params() {
-    int i = 0;
-    publish_params_[i++] = &src;
-    for (auto& d : dests) publish_params_[i++] = &d;
-    for (void* p : {static_cast<void*>(&n_dest), static_cast<void*>(&flags), static_cast<void*>(&fragments),
-                    static_cast<void*>(&timeout_us), static_cast<void*>(&control)})
-      publish_params_[i++] = p;
-    return publish_params_.data();
-  }
-  std::vector<ffi::KernelArg> publish_args() const {
-    std::vector<ffi::KernelArg> out{ffi::DevicePointer{src}};
-    for (void* d : dests) out.push_back(ffi::DevicePointer{d});
-    out.push_back(ffi::HostValue{&n_dest, 4});
-    out.push_back(ffi::DevicePointer{flags});
-    out.push_back(ffi::HostValue{&fragments, 4});
-    out.push_back(ffi::HostValue{&timeout_us, 4});
-    out.push_back(ffi::DevicePointer{control});
-    return out;
-  }
-
-  void** consumer_params() {
-    consumer_params_ = {&ptr[0], &ptr[1], &ptr[2],   &ptr[3],     &ptr[4],     &ptr[5],  &ptr[6], &ptr[7],
-                        &ptr[8], &ptr[9], &eps,      &out_eps,    &tokens,     &timeout_us, &control};
-    return consumer_params_.data();
-  }
-  std::vector<ffi::KernelArg> consumer_args() const {
-    std::vector<ffi::KernelArg> out;
-    for (void* p : ptr) out.push_back(ffi::DevicePointer{p});
-    for (const void* value : {static_cast<const void*>(&eps), static_cast<const void*>(&out_eps),
-                              static_cast<const void*>(&tokens), static_cast<const void*>(&timeout_us)})
-      out.push_back(ffi::HostValue{value, 4});
-    out.push_back(ffi::DevicePointer{control});
-    return out;
-  }
-
- private:
-  std::array<void*, kPublishParams> publish_params_{};
-  std::array<void*, 15> consumer_params_{};
 };
 
-// The attributes every stage binds (names are matched, order is free).
-#define PEER_ATTR_SIG                                                                                         \
-  std::string_view cubin, std::string_view entry, int64_t smem, int64_t block, float eps, float out_eps,     \
-      int32_t timeout_us, bool pdl, ffi::Span<const int64_t> variant, std::string_view publish_cubin,        \
-      std::string_view publish_entry, ffi::Span<const int64_t> group, int64_t ranks, int64_t max_tokens,       \
-      float connect_timeout_s, int32_t skip_rank
-#define PEER_ATTR_ARGS                                                                                        \
-  cubin, entry, smem, block, eps, out_eps, timeout_us, pdl, variant, publish_cubin, publish_entry, group, ranks, \
-      max_tokens, connect_timeout_s, skip_rank
-#define PEER_BUFFER_SIG                                                                                       \
-  Bf16_2 partial, Bf16_2 prefix, Bf16_3 blocks, Bf16_1 norm, Bf16_1 query, Bf16_1 out_norm,                  \
-      ffi::Result<Bf16_2> prefix_out, ffi::Result<Bf16_2> output, ffi::Result<Bf16_3> xmoe,                  \
-      ffi::Result<Flags> flags
-#define PEER_BUFFER_ARGS partial, prefix, blocks, norm, query, out_norm, prefix_out, output, xmoe, flags
+// The attributes every stage binds (names are matched, order is free): the consumer launch, the
+// publish launch ("publish_"), the in-place operands and the group.
+#define PEER_ATTR_SIG                                                                                    \
+  OPROJ_LAUNCH_SIG(), OPROJ_LAUNCH_SIG(publish_), ffi::Span<const int64_t> inplace,                      \
+      ffi::Span<const int64_t> group, int64_t ranks, int64_t max_tokens, int64_t row_bytes,             \
+      float connect_timeout_s
+#define PEER_ATTR_ARGS                                                                                   \
+  cubin, entry, grid, block, cluster, smem, pdl, params, publish_cubin, publish_entry, publish_grid,       \
+      publish_block, publish_cluster, publish_smem, publish_pdl, publish_params, inplace, group, ranks,  \
+      max_tokens, row_bytes, connect_timeout_s
 
-ffi::Error PlanPeer(PeerPlan& plan, int32_t ordinal, bool check_context,
-                    Bf16_2 partial,   // [T, H] this rank's partial o-projection (published)
-                    Bf16_2 prefix,    // [T, H] read when has_delta, always written (in place)
-                    Bf16_3 blocks,    // [T, NB, H] completed blocks
-                    Bf16_1 norm,      // [H] AttnRes key RMSNorm weight
-                    Bf16_1 query,     // [H] AttnRes pseudo-query
-                    Bf16_1 out_norm,  // [H] next sub-layer's RMSNorm weight
-                    ffi::Result<Bf16_2> prefix_out,  // aliases prefix
-                    ffi::Result<Bf16_2> output,      // [T, H]
-                    ffi::Result<Bf16_3> xmoe,        // [reps, T, H]
-                    ffi::Result<Flags> flags,        // [3] i32: consumer status, hints, publish status
-                    PEER_ATTR_SIG) {
-  auto p = prefix.dimensions();
-  const int64_t T = p[0], H = p[1];
-  if (T < 1 || T > 65535 || H != kHidden) return ShapeError("prefix", "[T, 7168] with 1 <= T <= 65535", p);
-  if (partial.dimensions()[0] != T || partial.dimensions()[1] != H)
-    return ShapeError("partial", "[T, H] of prefix", partial.dimensions());
-  auto b = blocks.dimensions();
-  if (b[0] != T || b[2] != H) return ShapeError("blocks", "[T, NB, H] with T, H of prefix", b);
-  for (auto [name, w] : {std::pair{"norm", &norm}, std::pair{"query", &query}, std::pair{"out_norm", &out_norm}})
-    if (w->dimensions()[0] != H) return ShapeError(name, "[7168]", w->dimensions());
-  if (output->dimensions()[0] != T || output->dimensions()[1] != H)
-    return ShapeError("output", "[T, H] of prefix", output->dimensions());
-  if (xmoe->dimensions()[1] != T || xmoe->dimensions()[2] != H)
-    return ShapeError("xmoe", "[reps, T, H] with T, H of prefix", xmoe->dimensions());
-  if (flags->dimensions()[0] != 3) return ShapeError("flags", "[3]", flags->dimensions());
-  if (auto fits = CheckVariant(kTarget, variant, ranks, b[1], xmoe->dimensions()[0]); fits.failure()) return fits;
-  if (timeout_us <= 0) return Invalid("timeout_us: every wait is bounded, expected > 0 microseconds, got " + std::to_string(timeout_us));
-  if (block < 1 || block > 1024) return Invalid("block: expected 1..1024 threads, got " + std::to_string(block));
-
-  if (max_tokens < 1 || max_tokens > 65535)
-    return Invalid("max_tokens: expected 1..65535, got " + std::to_string(max_tokens));
-  if (T > max_tokens)
-    return Invalid("max_tokens: this call has T = " + std::to_string(T) + " tokens, the group's mailboxes hold " +
-                   std::to_string(max_tokens) + " (PeerOptions.max_tokens)");
+ffi::Error PlanPeer(PeerPlan& plan, int32_t ordinal, bool check_context, ffi::RemainingArgs args,
+                    ffi::RemainingRets rets, PEER_ATTR_SIG) {
+  if (max_tokens < 1 || row_bytes < 1)
+    return Invalid("max_tokens, row_bytes: expected >= 1, got " + std::to_string(max_tokens) + ", " +
+                   std::to_string(row_bytes));
   auto found = FindGroup(ordinal, group, ranks, check_context);
   if (found.has_error()) return found.error();
   const auto& [key, me] = *found;
-  auto route = GetRoute(key, me, max_tokens);
+  auto route = GetRoute(key, me, max_tokens, row_bytes, [&](const Resolver& resolver) {
+    if (auto e = plan.publish.Plan(OPROJ_LAUNCH_VALUES(publish_), args, rets, &resolver); e.failure()) return e;
+    return plan.consumer.Plan(OPROJ_LAUNCH_VALUES(), args, rets, &resolver);
+  });
   if (route.has_error()) return route.error();
-  plan.key = key, plan.me = me, plan.route = *route;
-
-  auto* words = static_cast<int32_t*>(flags->untyped_data());
-  plan.src = partial.untyped_data();
-  for (int64_t r = 0; r < kMaxRanks; ++r) plan.dests[r] = reinterpret_cast<void*>(route->dest[r]);
-  plan.n_dest = int64_t(me) == skip_rank ? 0 : int32_t(ranks);
-  plan.flags = words;
-  plan.fragments = int32_t(T * H / 8);
-  plan.timeout_us = timeout_us;
-  plan.control = reinterpret_cast<void*>(route->control);
-  plan.publish_cubin = publish_cubin, plan.publish_entry = publish_entry;
-
-  plan.prefix_in = prefix.untyped_data();
-  plan.prefix_out = prefix_out->untyped_data();
-  plan.prefix_bytes = size_t(T * H) * 2;
-  void* values[10] = {reinterpret_cast<void*>(route->mailbox),
-                      plan.prefix_out,
-                      OrValid(blocks.untyped_data(), blocks.element_count(), plan.prefix_out),
-                      norm.untyped_data(),
-                      query.untyped_data(),
-                      out_norm.untyped_data(),
-                      output->untyped_data(),
-                      OrValid(xmoe->untyped_data(), xmoe->element_count(), output->untyped_data()),
-                      words + 1,   // hints: counted, never read
-                      words + 0};  // status: zeroed by the publish kernel
-  std::copy(values, values + 10, plan.ptr);
-  plan.eps = eps, plan.out_eps = out_eps, plan.tokens = int32_t(max_tokens);
-  plan.consumer = {cubin, entry, smem, block, pdl, T};
-  return ffi::Error::Success();
+  plan.key = key, plan.me = me, plan.route = std::move(*route);
+  return plan.copies.Plan(inplace, args, rets, kTarget);
 }
 
 // ---- execute: launches on XLA's stream (outside command buffers) ------------------------------
-ffi::Error LaunchPublish(CUstream stream, PeerPlan& plan) {
-  auto fn = GetFunction(plan.publish_cubin, plan.publish_entry, 0);  // loaded on first use
-  if (fn.has_error()) return fn.error();
-  CUlaunchAttribute attr = {};
-  attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-  attr.value.programmaticStreamSerializationAllowed = plan.consumer.pdl ? 1 : 0;
-  CUlaunchConfig config = {};
-  config.gridDimX = unsigned(plan.publish_grid());
-  config.gridDimY = config.gridDimZ = 1;
-  config.blockDimX = kPublishThreads;
-  config.blockDimY = config.blockDimZ = 1;
-  config.hStream = stream;
-  config.attrs = &attr;
-  config.numAttrs = 1;
-  if (CUresult r = driver().LaunchKernelEx(&config, *fn, plan.publish_params(), nullptr))
-    return CudaError(r, plan.publish_entry, "cuLaunchKernelEx");
-  return ffi::Error::Success();
-}
-
-ffi::Error PeerExecute(CUstream stream, int32_t ordinal, Site* site, PEER_BUFFER_SIG, PEER_ATTR_SIG) {
+ffi::Error PeerExecute(CUstream stream, int32_t ordinal, Site* site, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                       PEER_ATTR_SIG) {
   PeerPlan plan;
-  if (auto error = PlanPeer(plan, ordinal, true, PEER_BUFFER_ARGS, PEER_ATTR_ARGS); error.failure()) return error;
+  if (auto error = PlanPeer(plan, ordinal, true, args, rets, PEER_ATTR_ARGS); error.failure()) return error;
   if (plan.route.meets && !site->met) {  // this call site's first execution: meet the other processes
     if (auto error = Meet(plan.key, plan.me, plan.route, connect_timeout_s); error.failure()) return error;
     site->met = true;
   }
-  if (plan.copies_prefix())
-    if (CUresult r = driver().MemcpyDtoDAsync(CUdeviceptr(plan.prefix_out), CUdeviceptr(plan.prefix_in),
-                                              plan.prefix_bytes, stream))
-      return CudaError(r, kTarget, "cuMemcpyDtoDAsync(prefix)");
-  if (auto error = LaunchPublish(stream, plan); error.failure()) return error;
-  return Launch(stream, plan.consumer, plan.consumer_params());
+  if (auto error = plan.copies.Run(stream, kTarget); error.failure()) return error;
+  if (auto error = plan.publish.Launch(stream); error.failure()) return error;
+  return plan.consumer.Launch(stream);
 }
 
 // ---- record: graph nodes inside an XLA command buffer -----------------------------------------
-// [memcpy prefix ->] consumer <- publish, the publish depending on what XLA depends on (no
-// explicit dependency), the consumer last (XLA's dependency for what follows). On kUpdate only
-// XLA's buffers can have moved (partial, prefix, outputs, flags): the arguments are rewritten.
-ffi::Error PeerRecord(RecordContext ctx, int32_t ordinal, PEER_BUFFER_SIG, PEER_ATTR_SIG) {
+// [memcpy ->] consumer <- publish, the publish depending on what XLA depends on (no explicit
+// dependency), the consumer last (XLA's dependency for what follows). On kUpdate only XLA's
+// buffers can have moved (operands, results): the arguments are rewritten.
+ffi::Error PeerRecord(RecordContext ctx, int32_t ordinal, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                      PEER_ATTR_SIG) {
   PeerPlan plan;
-  if (auto error = PlanPeer(plan, ordinal, false, PEER_BUFFER_ARGS, PEER_ATTR_ARGS); error.failure()) return error;
+  if (auto error = PlanPeer(plan, ordinal, false, args, rets, PEER_ATTR_ARGS); error.failure()) return error;
   // a new command buffer: its first execution follows, so a group across processes meets first
   if (plan.route.meets && ctx.action() != ffi::RecordAction::kUpdate)
     if (auto error = Meet(plan.key, plan.me, plan.route, connect_timeout_s); error.failure()) return error;
   auto commands = ctx.commands();
-  const int64_t needed = (plan.copies_prefix() ? 1 : 0) + 2;
+  const int64_t copies = plan.copies.size(), needed = copies + 2;
   if (ctx.action() == ffi::RecordAction::kUpdate) {
     if (commands.size() != needed)
       return ffi::Error::Internal(std::string(kTarget) + ": recorded " + std::to_string(commands.size()) +
                                   " commands, the update has " + std::to_string(needed));
-    int64_t i = 0;
-    if (plan.copies_prefix())
-      if (auto e = ctx.UpdateMemcpyD2D(commands[i++], plan.prefix_out, const_cast<void*>(plan.prefix_in),
-                                       plan.prefix_bytes);
-          e.failure())
-        return e;
-    if (auto e = ctx.UpdateLaunch(commands[i++], plan.publish_args()); e.failure()) return e;
-    return ctx.UpdateLaunch(commands[i], plan.consumer_args());
+    if (auto e = plan.copies.Update(ctx, commands); e.failure()) return e;
+    if (auto e = plan.publish.Update(ctx, commands[copies]); e.failure()) return e;
+    return plan.consumer.Update(ctx, commands[copies + 1]);
   }
   if (commands.capacity() < needed) {
     // XLA will trace the execute stage instead: load the modules now, outside the capture (the
     // mailboxes are allocated already: PlanPeer).
-    for (auto [cubin_, entry_, smem_] : {std::tuple{cubin, entry, smem}, std::tuple{publish_cubin, publish_entry,
-                                                                                     int64_t(0)}})
-      if (auto fn = GetFunction(cubin_, entry_, smem_); fn.has_error()) return fn.error();
+    for (const Kernel* kernel : {&plan.consumer, &plan.publish})
+      if (auto fn = kernel->Function(); fn.has_error()) return fn.error();
     return ctx.RequestStreamCapture();
   }
-  auto consumer_image = CubinImage(cubin, entry);
-  if (consumer_image.has_error()) return consumer_image.error();
-  auto publish_image = CubinImage(publish_cubin, publish_entry);
-  if (publish_image.has_error()) return publish_image.error();
   std::vector<const XLA_FFI_Command*> deps;
-  if (plan.copies_prefix()) {
-    auto copy = ctx.CreateMemcpyD2D(plan.prefix_out, const_cast<void*>(plan.prefix_in), plan.prefix_bytes);
-    if (copy.has_error()) return copy.error();
-    deps.push_back(*copy);
-  }
-  XLA_FFI_LaunchDims publish_dims{{plan.publish_grid(), 1, 1}, {int32_t(kPublishThreads), 1, 1}, {0, 0, 0}};
-  auto publish = ctx.CreateLaunch(std::string(publish_entry).c_str(), (*publish_image)->data(),
-                                  (*publish_image)->size(), ffi::SourceFormat::kCubin, publish_dims, 0u, pdl,
-                                  plan.publish_args());
+  if (auto e = plan.copies.Record(ctx, deps); e.failure()) return e;
+  auto publish = plan.publish.Record(ctx, {});
   if (publish.has_error()) return publish.error();
   deps.push_back(*publish);
-  XLA_FFI_LaunchDims consumer_dims{{int32_t(kCluster), int32_t(plan.consumer.tokens), 1}, {int32_t(block), 1, 1},
-                                   {int32_t(kCluster), 1, 1}};
-  auto consumer = ctx.CreateLaunch(std::string(entry).c_str(), (*consumer_image)->data(), (*consumer_image)->size(),
-                                   ffi::SourceFormat::kCubin, consumer_dims, uint32_t(smem), pdl,
-                                   plan.consumer_args(), deps);
+  auto consumer = plan.consumer.Record(ctx, deps);
   return consumer.has_error() ? consumer.error() : ffi::Error::Success();
 }
 
@@ -739,28 +594,15 @@ ffi::ErrorOr<std::unique_ptr<Site>> PeerInstantiate(PEER_ATTR_SIG) { return std:
 
 }  // namespace
 
-// The consumer's attributes (common.h), then the publish kernel's and the group's.
+// The two launches' attributes (launch.h), then the in-place operands and the group's.
 #define OPROJ_PEER_ATTRS                                                                       \
-  OPROJ_ATTRS                                                                                  \
-      .Attr<std::string_view>("publish_cubin")  /* cute/publish.py's cubin */                  \
-      .Attr<std::string_view>("publish_entry")  /* its kernel entry */                         \
-      .Attr<ffi::Span<const int64_t>>("group")  /* [groups, R] CUDA ordinals, rank order */    \
-      .Attr<int64_t>("ranks")                   /* R */                                        \
-      .Attr<int64_t>("max_tokens")              /* rows per mailbox slot; T <= max_tokens */   \
-      .Attr<float>("connect_timeout_s")         /* bound of a first-call meeting, seconds */   \
-      .Attr<int32_t>("skip_rank")               /* tests: this rank publishes nothing; -1 */
-
-#define OPROJ_PEER_BUFFERS                                \
-  .Arg<Bf16_2>()      /* partial [T, H] */                \
-      .Arg<Bf16_2>()  /* prefix [T, H] */                 \
-      .Arg<Bf16_3>()  /* blocks [T, NB, H] */             \
-      .Arg<Bf16_1>()  /* norm [H] */                      \
-      .Arg<Bf16_1>()  /* query [H] */                     \
-      .Arg<Bf16_1>()  /* out_norm [H] */                  \
-      .Ret<Bf16_2>()  /* prefix, updated (aliased) */     \
-      .Ret<Bf16_2>()  /* output [T, H] */                 \
-      .Ret<Bf16_3>()  /* xmoe [reps, T, H] */             \
-      .Ret<Flags>()   /* [3] i32: status, hints, publish status */
+  OPROJ_LAUNCH_ATTRS("") OPROJ_LAUNCH_ATTRS("publish_")                                        \
+      .Attr<ffi::Span<const int64_t>>("inplace") /* (operand, result) pairs read in place */   \
+      .Attr<ffi::Span<const int64_t>>("group")   /* [groups, R] CUDA ordinals, rank order */   \
+      .Attr<int64_t>("ranks")                    /* R */                                       \
+      .Attr<int64_t>("max_tokens")               /* rows per mailbox slot */                   \
+      .Attr<int64_t>("row_bytes")                /* bytes per row */                           \
+      .Attr<float>("connect_timeout_s")          /* bound of a first-call meeting, seconds */
 
 // Graph-safe (file comment): every stage is compatible with XLA command buffers.
 constexpr auto kPeerCmdBuffer = ffi::Traits::kCmdBufferCompatible;
@@ -772,13 +614,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OprojPeerExecute, PeerExecute,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<CUstream>>()
                                   .Ctx<ffi::DeviceOrdinal>()
-                                  .Ctx<ffi::State<Site>>() OPROJ_PEER_BUFFERS OPROJ_PEER_ATTRS,
+                                  .Ctx<ffi::State<Site>>()
+                                  .RemainingArgs()
+                                  .RemainingRets() OPROJ_PEER_ATTRS,
                               {kPeerCmdBuffer});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OprojPeerRecord, PeerRecord,
                               ffi::Ffi::BindRecord()
                                   .Ctx<ffi::Extension<RecordExtension>>()
-                                  .Ctx<ffi::DeviceOrdinal>() OPROJ_PEER_BUFFERS OPROJ_PEER_ATTRS,
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .RemainingArgs()
+                                  .RemainingRets() OPROJ_PEER_ATTRS,
                               {kPeerCmdBuffer});
 
 // Re-arms every open group's slots this process owns and zeroes their control words (the
@@ -856,7 +702,7 @@ extern "C" int64_t OprojPeerAllocatedBytes() {
   for (auto* table : {&groups, &pending})
     for (auto& [key, g] : *table)
       for (size_t r = 0; r < g.base.size(); ++r)
-        if (g.owned[r] && g.base[r]) total += int64_t(g.mailbox_bytes + kMeetBytes);
+        if (g.owned[r] && g.base[r]) total += int64_t(g.mailbox_bytes + g.meet_bytes);
   return total;
 }
 
@@ -893,9 +739,11 @@ extern "C" int64_t OprojPeerFailed(char* message, size_t size) {
 namespace {
 
 // The row's key and this device's rank in it, or a message.
-std::string RowKey(int32_t ordinal, const int64_t* row, int64_t ranks, int64_t capacity, Key& key, size_t& me) {
-  if (ranks < 1 || ranks > kMaxRanks) return "ranks: expected 1..16, got " + std::to_string(ranks);
-  if (capacity < 1 || capacity > 65535) return "max_tokens: expected 1..65535, got " + std::to_string(capacity);
+std::string RowKey(int32_t ordinal, const int64_t* row, int64_t ranks, int64_t capacity, int64_t row_bytes, Key& key,
+                   size_t& me) {
+  if (ranks < 1) return "ranks: expected R >= 1, got " + std::to_string(ranks);
+  if (capacity < 1 || row_bytes < 1)
+    return "max_tokens, row_bytes: expected >= 1, got " + std::to_string(capacity) + ", " + std::to_string(row_bytes);
   key = Key{std::vector<int64_t>(row, row + ranks)};
   if (std::count(key.ordinals.begin(), key.ordinals.end(), int64_t(ordinal)) != 1)
     return "row: expected CUDA ordinal " + std::to_string(ordinal) + " exactly once";
@@ -907,21 +755,23 @@ std::string RowKey(int32_t ordinal, const int64_t* row, int64_t ranks, int64_t c
 }  // namespace
 
 // Opens this rank's part of the cross-process group `row` (R entries: this device's CUDA
-// ordinal, -(1 + id) for the other ranks) with `max_tokens` rows per slot and writes its IPC
+// ordinal, -(1 + id) for the other ranks) with `max_tokens` rows of `row_bytes` per slot and writes its IPC
 // handle (64 bytes) to `handle`. Called again for the same group: the same handle. Returns 0, or
 // -1 with the reason in `message`.
-extern "C" int OprojPeerExport(int32_t ordinal, const int64_t* row, int64_t ranks, int64_t max_tokens,
+extern "C" int OprojPeerExport(int32_t ordinal, const int64_t* row, int64_t ranks, int64_t max_tokens, int64_t row_bytes,
                                unsigned char* handle, char* message, size_t size) {
   Key key;
   size_t me = 0;
-  if (auto bad = RowKey(ordinal, row, ranks, max_tokens, key, me); !bad.empty()) return Report(message, size, bad);
+  if (auto bad = RowKey(ordinal, row, ranks, max_tokens, row_bytes, key, me); !bad.empty())
+    return Report(message, size, bad);
   std::lock_guard<std::mutex> lock(groups_mutex);
   Group* g = nullptr;
   if (auto open = groups.find(key); open != groups.end()) g = &open->second;
   if (auto half = pending.find(key); half != pending.end()) g = &half->second;
   if (!g) {
     Group fresh;
-    if (auto error = Open(key, max_tokens, fresh); error.failure()) return Report(message, size, error.message());
+    if (auto error = Open(key, max_tokens, row_bytes, fresh); error.failure())
+      return Report(message, size, error.message());
     ScopedContext scope(fresh.contexts[me]);
     if (CUresult e = scope.result() ? scope.result() : driver().IpcGetMemHandle(&fresh.handle, fresh.base[me])) {
       Release(fresh);
@@ -929,9 +779,11 @@ extern "C" int OprojPeerExport(int32_t ordinal, const int64_t* row, int64_t rank
     }
     g = &pending.emplace(key, std::move(fresh)).first->second;
   }
-  if (g->capacity != max_tokens)
+  if (g->capacity != max_tokens || g->row_bytes != row_bytes)
     return Report(message, size, "max_tokens: this group is open with max_tokens = " + std::to_string(g->capacity) +
-                                     ", asked for " + std::to_string(max_tokens) + " (close the groups first)");
+                                     " rows of " + std::to_string(g->row_bytes) + " bytes, asked for " +
+                                     std::to_string(max_tokens) + " of " + std::to_string(row_bytes) +
+                                     " (close the groups first)");
   std::memcpy(handle, g->handle.reserved, CU_IPC_HANDLE_SIZE);
   return 0;
 }
@@ -940,11 +792,12 @@ extern "C" int OprojPeerExport(int32_t ordinal, const int64_t* row, int64_t rank
 // entry is ignored) into this device's context and registers the group for the FFI stages.
 // Needs OprojPeerExport of the same group first. Called again once registered: nothing to do.
 // Returns 0, or -1 with the reason in `message` (then nothing stays mapped).
-extern "C" int OprojPeerImport(int32_t ordinal, const int64_t* row, int64_t ranks, int64_t max_tokens,
+extern "C" int OprojPeerImport(int32_t ordinal, const int64_t* row, int64_t ranks, int64_t max_tokens, int64_t row_bytes,
                                const unsigned char* handles, char* message, size_t size) {
   Key key;
   size_t me = 0;
-  if (auto bad = RowKey(ordinal, row, ranks, max_tokens, key, me); !bad.empty()) return Report(message, size, bad);
+  if (auto bad = RowKey(ordinal, row, ranks, max_tokens, row_bytes, key, me); !bad.empty())
+    return Report(message, size, bad);
   std::lock_guard<std::mutex> lock(groups_mutex);
   if (groups.count(key)) return 0;
   auto it = pending.find(key);

@@ -84,6 +84,47 @@ def fake_ready_cubins(directory, key, *, entry="k", dynamic_smem_bytes=1000, arc
     return kernel
 
 
+def launch_attributes(call: str, prefix: str = "") -> dict:
+    """The launch attributes of a lowered custom call (one line of the StableHLO text) as
+    oproj_jax/cute/launch.py writes them: cubin, entry (str), grid, block, cluster (tuples), smem
+    (int), pdl (bool), params (launch.Arg per parameter); `prefix`: a target's second launch."""
+    import re
+
+    from oproj_jax.cute import launch
+
+    config = re.search(r"mhlo\.backend_config = \{(.*?)\}", call)  # no braces inside
+    assert config, call[:400]
+    config = config.group(1)
+
+    def value(name):
+        pattern = r"(dense<\[?([^\]>]*)\]?> : tensor<(\d+)xi64>|\"([^\"]*)\"|(true|false)|(-?\d+) : i64)"
+        found = re.search(rf"(?:^|, ){prefix}{name} = {pattern}", config)
+        assert found, f"{prefix}{name} not in {config[:400]}"
+        dense, size, text, flag, number = found.group(2, 3, 4, 5, 6)
+        if dense is not None:
+            values = tuple(int(v) for v in dense.split(",") if v.strip())
+            return values * int(size) if len(values) == 1 else values  # a splat: dense<0> : tensor<3xi64>
+        if text is not None:
+            return text
+        if flag is not None:
+            return flag == "true"
+        return int(number)
+
+    out = {name: value(name) for name in ("cubin", "entry", "grid", "block", "cluster", "smem", "pdl", "params")}
+    out["params"] = launch.decode(out["params"])
+    return out
+
+
+def inplace_pairs(call: str) -> list[tuple[int, int]]:
+    """The `inplace` attribute of a lowered launch call, as (operand, result) pairs."""
+    import re
+
+    dense, size = re.search(r"inplace = dense<\[?([^\]>]*)\]?> : tensor<(\d+)xi64>", call).group(1, 2)
+    words = [int(v) for v in dense.split(",") if v.strip()]
+    words = words * int(size) if len(words) == 1 else words  # a splat
+    return list(zip(words[0::2], words[1::2]))
+
+
 def gpus_or_skip(count: int) -> list:
     """This process's CUDA GPUs when there are at least `count`, else the test is skipped."""
     reason = gpu_platform_reason()

@@ -108,7 +108,7 @@ def test_the_first_call_compiles_into_the_cache_and_launches_it(first_use):
     entry = json.loads(open(_entry_file(kernel.cubin)).read())
     assert entry["sha256"] == M.file_sha256(kernel.cubin) and entry["key"] == KEY and entry["fold"]
     assert entry["block"] == [128, 1, 1] and entry["entry"] == kernel.entry
-    (call,) = [line for line in text.splitlines() if f"stablehlo.custom_call @{ffi.READY_TARGET}(" in line]
+    (call,) = [line for line in text.splitlines() if f"stablehlo.custom_call @{ffi.LAUNCH_TARGET}(" in line]
     assert f'cubin = "{kernel.cubin}"' in call and f'entry = "{kernel.entry}"' in call
 
 

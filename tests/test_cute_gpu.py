@@ -444,33 +444,6 @@ _COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_handler_refuses_operands_the_cubin_was_not_built_for(cute):
-    """Each cubin has R, NB and reps compiled in: the FFI handler compares them (the "variant"
-    attribute) with the operands' shapes and refuses a mismatch before launching, instead of
-    letting the kernel read past the blocks it was given."""
-    config = configs.Config(16, 3, 1)
-    x = inputs(config)
-    kernel = backend._kernel(
-        backend.kernel_key(16, 8, has_delta=True, groups=4, xmoe_replicas=0, twoshot=False), 3, True
-    )
-    T, H = config.T, config.H
-    out_types = [
-        jax.ShapeDtypeStruct((T, H), jnp.bfloat16),
-        jax.ShapeDtypeStruct((T, H), jnp.bfloat16),
-        jax.ShapeDtypeStruct((0, T, H), jnp.bfloat16),
-        jax.ShapeDtypeStruct((2,), jnp.uint32),
-    ]
-    ffi.register_targets()
-    call = jax.ffi.ffi_call(ffi.READY_TARGET, out_types, input_output_aliases={1: 0})
-    args = [jax.device_put(x[k], cute) for k in ("mailbox", "prefix", "blocks", "norm", "query", "out_norm")]
-    with pytest.raises(Exception, match=r"the cubin is built for completed blocks \(NB\) = 8, the operands have 1"):
-        jax.block_until_ready(
-            jax.jit(lambda *a: call(*a, **backend._attributes(kernel, 1e-6, 1e-6, backend.READY_TIMEOUT_US, True)))(
-                *args
-            )
-        )
-
-
 def test_xla_command_buffer(cute, tmp_path):
     """Consumer calls inside XLA command buffers (CUDA graphs), recorded through the targets'
     record stage: replays are exact, graph updates with new buffers stay exact, and XLA's thunk

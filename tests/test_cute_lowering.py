@@ -4,6 +4,10 @@ and the backend says clearly why it cannot run here.
 The lowering tests use a fake manifest (any bytes as "cubin", sealed with their sha256 and the
 installed sources' fingerprint): lowering only hashes the cubin and passes the manifest entry's
 path, entry name, shared memory and block size.
+
+Each path's launch is checked parameter by parameter against the list the C++ handlers computed
+before the launch moved to Python (ffi/cute_consumer.cc, `Plan::Params`): the same kernel
+parameters, in the same order, with the same values (docs/launch.md has the table).
 """
 
 import ctypes
@@ -18,14 +22,27 @@ import pytest
 
 import oproj_jax
 from oproj_jax import configs, reference
-from oproj_jax.cute import ffi
+from conftest import inplace_pairs, launch_attributes
+from oproj_jax.cute import ffi, launch
 from oproj_jax.contract import Dims
 from oproj_jax.cute import backend, cache
 from oproj_jax.cute import manifest as cute_manifest
+from oproj_jax.cute.launch import NULL, Arg, Kind
 
 H = configs.HIDDEN
 ONESHOT_KEY = dict(R=2, NB=1, has_delta=True, groups=2, xmoe_replicas=1, twoshot=False)
 TWOSHOT_KEY = dict(R=2, NB=0, has_delta=False, groups=1, xmoe_replicas=0, twoshot=True)
+EMPTY_KEY = dict(R=2, NB=0, has_delta=False, groups=1, xmoe_replicas=0, twoshot=False)  # no blocks, no xmoe
+KEYS = (ONESHOT_KEY, TWOSHOT_KEY, EMPTY_KEY)
+B = launch.buffer
+
+
+def f32(x):
+    return Arg(Kind.F32, int(np.float32(x).view(np.uint32)))
+
+
+def u32(x):
+    return Arg(Kind.U32, x & 0xFFFFFFFF)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +54,7 @@ def library(tmp_path_factory):
 @pytest.fixture
 def fake_cubins(tmp_path, monkeypatch, library):
     kernels = []  # first the grouped build's entries, as an older manifest lists them: never launched
-    for i, key in enumerate((ONESHOT_KEY, TWOSHOT_KEY)):
+    for i, key in enumerate(KEYS):
         (tmp_path / f"variant{i}.cubin").write_bytes(b"not a cubin: lowering never opens it")
         kernels.append(
             dict(
@@ -51,7 +68,7 @@ def fake_cubins(tmp_path, monkeypatch, library):
             )
         )
     # the folded builds (128 threads): the one build every call launches (manifest.FOLDED)
-    for i in range(2):
+    for i in range(len(KEYS)):
         (tmp_path / f"variant{i}f.cubin").write_bytes(b"not a cubin either")
         kernels.append(
             dict(
@@ -105,40 +122,77 @@ def test_stage_table():
 def test_every_target_has_a_record_stage_but_those_of_many_tokens():
     """Inside XLA command buffers a target without a record stage is re-traced by stream capture
     whenever its buffers move: the per-call host cost the record stage exists to remove. The
-    exceptions are the targets for many tokens, traced on purpose (ffi.READY_TRACED_TARGET,
-    ffi.TRITON_TRACED_TARGET): their initialize stage loads the module outside the capture, and
-    only they have one (XLA would run it at every execution of a record-stage target)."""
-    traced = (ffi.READY_TRACED_TARGET, ffi.TRITON_TRACED_TARGET)
+    exception is the launch target for many tokens, traced on purpose (ffi.LAUNCH_TRACED_TARGET):
+    its initialize stage loads the module outside the capture, and only it has one (XLA would run
+    it at every execution of a record-stage target)."""
+    traced = (ffi.LAUNCH_TRACED_TARGET,)
     for name, stages in ffi.SYMBOLS.items():
         assert (stages.record is None) == (name in traced), name
         assert (stages.initialize is not None) == (name in traced), name
 
 
+def test_one_generic_launch_target_and_its_traced_twin():
+    """The library's targets: the generic launch (the same handlers twice, with and without the
+    record stage) and the peer transport; no target per kernel or mode."""
+    assert set(ffi.SYMBOLS) == {ffi.LAUNCH_TARGET, ffi.LAUNCH_TRACED_TARGET, ffi.PEER_TARGET}
+    launch_stages, traced_stages = ffi.SYMBOLS[ffi.LAUNCH_TARGET], ffi.SYMBOLS[ffi.LAUNCH_TRACED_TARGET]
+    assert launch_stages.execute == traced_stages.execute and traced_stages.record is None
+
+
+def _launch(text: str, traced: bool = False) -> tuple[str, dict]:
+    """The one launch call of `text` (its line) and its launch attributes."""
+    (call,) = custom_calls(text, ffi.LAUNCH_TRACED_TARGET if traced else ffi.LAUNCH_TARGET)
+    assert not custom_calls(text, ffi.LAUNCH_TARGET if traced else ffi.LAUNCH_TRACED_TARGET)
+    return call, launch_attributes(call)
+
+
+def _consumer_shape(attrs, fake_cubins, variant: int, T: int):
+    """The consumer cubin's launch: the folded build of the fake manifest, grid (7, T, 1), one
+    cluster of 7 CTAs per token, 128 threads, its shared memory, PDL."""
+    assert attrs["cubin"] == str(fake_cubins / f"variant{variant}f.cubin")
+    assert attrs["entry"] == f"kernel_entry_{variant}f" and attrs["smem"] == 30000 + variant
+    assert attrs["grid"] == (7, T, 1) and attrs["cluster"] == (7, 1, 1) and attrs["block"] == (128, 1, 1)
+    assert attrs["pdl"] is True
+
+
 def test_oneshot_lowers_to_our_custom_call(fake_cubins):
+    """The protocol (consume): operands mailbox 0, prefix 1, blocks 2, norm 3, query 4, out_norm
+    5, hints 6, status 7; results mailbox 8, prefix 9, output 10, xmoe 11, hints 12, status 13.
+    The C++ handler passed the results of the in-place operands, eps, out_eps, T, timeout_us and
+    a null control."""
     fn = functools.partial(
         backend.consume, eps=1e-6, out_eps=1e-5, has_delta=True, groups=2, xmoe_replicas=1, timeout_us=77
     )
     text = lower_for_cuda(fn, spec(2, 3, H), spec(3, H), spec(3, 1, H), spec(H), spec(H), spec(H))
-    (call,) = custom_calls(text, ffi.ONESHOT_TARGET)
-    for attribute in (
-        f'cubin = "{fake_cubins / "variant0f.cubin"}"',  # the folded build, as in ready mode
-        'entry = "kernel_entry_0f"',
-        "smem = 30000 : i64",
-        "block = 128 : i64",
-        "timeout_us = 77 : i32",
-        "pdl = true",
-        "eps = 9.99999997E-7 : f32",
-        "out_eps = 9.99999974E-6 : f32",
-    ):
-        assert attribute in call, attribute
-    # mailbox, prefix, hints, status are updated in place: operand -> result aliases
+    call, attrs = _launch(text)
+    _consumer_shape(attrs, fake_cubins, 0, 3)
+    assert attrs["params"] == [
+        *(B(8), B(9), B(2), B(3), B(4), B(5), B(10), B(11), B(12), B(13)),
+        *(f32(1e-6), f32(1e-5), u32(3), u32(77), NULL),
+    ]
+    # mailbox, prefix, hints, status are updated in place: operand -> result aliases, read in place
     aliases = set(re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", call))
     assert aliases == {("0", "0"), ("1", "1"), ("4", "6"), ("5", "7")}
+    assert inplace_pairs(call) == [(0, 0), (1, 1), (6, 4), (7, 5)]
     assert (
         "(tensor<2x3x7168xbf16>, tensor<3x7168xbf16>, tensor<3x7168xbf16>, tensor<1x3x7168xbf16>, "
         "tensor<1xui32>, tensor<1xi32>)" in call
     )  # results: mailbox, prefix, output, xmoe, hints, status
     assert "compare  EQ" in text or "compare EQ" in text, "the mailbox is sanitized (-0.0 -> +0.0) first"
+
+
+def test_oneshot_without_blocks_or_xmoe_passes_valid_pointers(fake_cubins):
+    """NB = 0 and reps = 0: the kernel reads neither blocks nor xmoe but wants valid pointers
+    (cute/ABI.md), which the C++ handler took from prefix and output (OrValid)."""
+    fn = functools.partial(backend.consume, has_delta=False, groups=1, xmoe_replicas=0, timeout_us=5)
+    text = lower_for_cuda(fn, spec(2, 4, H), spec(4, H), spec(4, 0, H), spec(H), spec(H), spec(H))
+    _, attrs = _launch(text)
+    _consumer_shape(attrs, fake_cubins, 2, 4)
+    eps = f32(backend.DEFAULTS.eps)
+    assert attrs["params"] == [
+        *(B(8), B(9), B(9), B(3), B(4), B(5), B(10), B(10), B(12), B(13)),
+        *(eps, f32(backend.DEFAULTS.out_eps), u32(4), u32(5), NULL),
+    ]
 
 
 def test_every_wait_is_bounded_in_wall_time(fake_cubins):
@@ -157,32 +211,52 @@ def test_published_mailbox_goes_straight_to_the_kernel(fake_cubins):
         backend.consume, eps=1e-6, out_eps=1e-6, has_delta=True, groups=2, xmoe_replicas=1, published=True
     )
     text = lower_for_cuda(fn, spec(2, 3, H), spec(3, H), spec(3, 1, H), spec(H), spec(H), spec(H))
-    (call,) = custom_calls(text, ffi.ONESHOT_TARGET)
+    call, attrs = _launch(text)
     assert "compare" not in text and "select" not in text
-    assert "custom_call @oproj_cute_consumer(%arg0," in call  # the caller's buffer itself
-    assert f"timeout_us = {backend.DEFAULT_TIMEOUT_US} : i32" in call
+    assert f"custom_call @{ffi.LAUNCH_TARGET}(%arg0," in call  # the caller's buffer itself
+    assert attrs["params"][13] == u32(backend.DEFAULT_TIMEOUT_US)
 
 
 def test_registry_consumer_uses_the_ready_kernel(fake_cubins):
-    """The registry path reads an XLA-made mailbox once: ready target, timeout_us < 0, the mailbox
-    neither sanitized nor aliased (so XLA never copies it), only the prefix updated in place."""
+    """The registry path reads an XLA-made mailbox once: timeout_us < 0, the mailbox neither
+    sanitized nor aliased (so XLA never copies it), only the prefix updated in place. Operands
+    mailbox 0 .. out_norm 5; results prefix 6, output 7, xmoe 8, scratch 9 ([2] u32): the C++
+    handler passed the mailbox operand itself and carved hints and status from the scratch."""
     fn = functools.partial(backend.consumer, eps=1e-6, out_eps=1e-6, has_delta=True, groups=2, xmoe_replicas=1)
     text = lower_for_cuda(fn, spec(2, 3, H), spec(3, H), spec(3, 1, H), spec(H), spec(H), spec(H))
-    (call,) = custom_calls(text, ffi.READY_TARGET)
-    assert "timeout_us = -1 : i32" in call and 'entry = "kernel_entry_0f"' in call  # the folded build
-    assert "block = 128 : i64" in call and "smem = 30000 : i64" in call
-    assert "custom_call @oproj_cute_consumer_ready(%arg0," in call  # the caller's mailbox itself
+    call, attrs = _launch(text)
+    _consumer_shape(attrs, fake_cubins, 0, 3)
+    assert attrs["params"] == [
+        *(B(0), B(6), B(2), B(3), B(4), B(5), B(7), B(8), B(9, 0), B(9, 4)),
+        *(f32(1e-6), f32(1e-6), u32(3), u32(-1), NULL),
+    ]
+    assert f"custom_call @{ffi.LAUNCH_TARGET}(%arg0," in call  # the caller's mailbox itself
     assert "compare" not in text and "select" not in text
     aliases = set(re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", call))
-    assert aliases == {("0", "1")}
+    assert aliases == {("0", "1")} and inplace_pairs(call) == [(1, 0)]
+    assert call.rstrip().endswith("tensor<2xui32>)")
+
+
+def test_registry_consumer_without_blocks_or_xmoe(fake_cubins):
+    fn = functools.partial(backend.consumer, has_delta=False, groups=1, xmoe_replicas=0)
+    text = lower_for_cuda(fn, spec(2, 2, H), spec(2, H), spec(2, 0, H), spec(H), spec(H), spec(H))
+    _, attrs = _launch(text)
+    _consumer_shape(attrs, fake_cubins, 2, 2)
+    assert attrs["params"][:10] == [B(0), B(6), B(6), B(3), B(4), B(5), B(7), B(7), B(9, 0), B(9, 4)]
 
 
 def test_many_tokens_use_the_traced_ready_target(fake_cubins):
-    """Above backend.RECORD_MAX_T tokens the ready call names the target without a record stage."""
+    """Above backend.RECORD_MAX_T tokens the ready call names the target without a record stage,
+    with the same launch."""
     fn = functools.partial(backend.consumer, eps=1e-6, out_eps=1e-6, has_delta=True, groups=2, xmoe_replicas=1)
     T = backend.RECORD_MAX_T + 1
     text = lower_for_cuda(fn, spec(2, T, H), spec(T, H), spec(T, 1, H), spec(H), spec(H), spec(H))
-    assert len(custom_calls(text, ffi.READY_TRACED_TARGET)) == 1 and not custom_calls(text, ffi.READY_TARGET)
+    _, attrs = _launch(text, traced=True)
+    _consumer_shape(attrs, fake_cubins, 0, T)
+    assert attrs["params"][12:14] == [u32(T), u32(-1)]
+    T = backend.RECORD_MAX_T
+    text = lower_for_cuda(fn, spec(2, T, H), spec(T, H), spec(T, 1, H), spec(H), spec(H), spec(H))
+    _launch(text, traced=False)
 
 
 def test_vmap_of_the_registry_consumer_calls_the_kernel_per_element(fake_cubins):
@@ -191,16 +265,27 @@ def test_vmap_of_the_registry_consumer_calls_the_kernel_per_element(fake_cubins)
     fn = functools.partial(backend.consumer, eps=1e-6, out_eps=1e-6, has_delta=True, groups=2, xmoe_replicas=1)
     batched = jax.vmap(fn, in_axes=(0, 0, None, None, None, None))
     text = lower_for_cuda(batched, spec(2, 2, 3, H), spec(2, 3, H), spec(3, 1, H), spec(H), spec(H), spec(H))
-    assert len(custom_calls(text, ffi.READY_TARGET)) == 1 and "stablehlo.while" in text
+    assert len(custom_calls(text, ffi.LAUNCH_TARGET)) == 1 and "stablehlo.while" in text
 
 
 def test_twoshot_lowers_to_our_custom_call(fake_cubins):
+    """Twoshot: operands gather 0, prefix 1, blocks 2, norm 3, query 4, out_norm 5, hints 6,
+    status 7, recv 8; results gather 9, prefix 10, output 11, xmoe 12, hints 13, status 14, recv
+    15. NB = 0, reps = 0 here: blocks and xmoe take prefix's and output's pointers. recv and the
+    gather target (the gather row itself, on one GPU), then me."""
     fn = functools.partial(backend.consume_twoshot, me=1, has_delta=False, groups=1, xmoe_replicas=0)
     text = lower_for_cuda(fn, spec(2, 5, H // 2), spec(1, 5, H), spec(5, H), spec(5, 0, H), spec(H), spec(H), spec(H))
-    (call,) = custom_calls(text, ffi.TWOSHOT_TARGET)
-    assert "me = 1 : i32" in call and 'entry = "kernel_entry_1f"' in call and "block = 128 : i64" in call
+    call, attrs = _launch(text)
+    _consumer_shape(attrs, fake_cubins, 1, 5)
+    eps, out_eps = f32(backend.DEFAULTS.eps), f32(backend.DEFAULTS.out_eps)
+    assert attrs["params"] == [
+        *(B(9), B(10), B(10), B(3), B(4), B(5), B(11), B(11), B(13), B(14)),
+        *(eps, out_eps, u32(5), u32(backend.DEFAULT_TIMEOUT_US)),
+        *(B(15), B(9), u32(1)),
+    ]
     aliases = set(re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", call))
     assert aliases == {("0", "0"), ("1", "1"), ("4", "6"), ("5", "7"), ("6", "8")}
+    assert inplace_pairs(call) == [(0, 0), (1, 1), (6, 4), (7, 5), (8, 6)]
 
 
 def test_twoshot_rejects_bad_rank_and_recv(fake_cubins):

@@ -98,7 +98,9 @@ def test_connect_exports_once_and_imports_every_rank_in_order(monkeypatch, ranks
         if r != mine:
             store.set(f"{peer_ipc.KEY_PREFIX}/{tag}/{r}", handle(r))
     native.export = lambda ordinal, row_, tokens: native.calls.append(("export", ordinal, row_, tokens)) or handle(mine)
-    connect = lambda: peer_ipc.connect(mesh, "tp", (row,), 4, 1.0, store=lambda: store, native=lambda: native)  # noqa: E731
+    connect = lambda: peer_ipc.connect(  # noqa: E731
+        mesh, "tp", (row,), 4, 1.0, row_bytes=64, store=lambda: store, native=lambda: native
+    )
     assert connect() == 1
     assert native.calls == [
         ("export", 0, row, 4),
@@ -114,7 +116,7 @@ def test_connect_leaves_groups_of_one_process_to_the_handler(monkeypatch):
     native = RecordingNative()
     table = (peer_ipc.encode_row(mesh.devices, 0),)
     assert table == ((0, 1),)
-    assert peer_ipc.connect(mesh, "tp", table, 4, 1.0, store=MemoryStore, native=lambda: native) == 0
+    assert peer_ipc.connect(mesh, "tp", table, 4, 1.0, row_bytes=64, store=MemoryStore, native=lambda: native) == 0
     assert native.calls == []
 
 
@@ -124,17 +126,21 @@ def library(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "ordinal, row, tokens, message",
+    "ordinal, row, tokens, row_bytes, message",
     [
-        (0, (0,) * 17, 4, r"ranks: expected 1..16, got 17"),
-        (0, (0, -2), 0, r"max_tokens: expected 1..65535, got 0"),
-        (1, (0, -2), 4, r"row: expected CUDA ordinal 1 exactly once"),
+        (0, (), 4, 64, r"ranks: expected R >= 1, got 0"),
+        (0, (0, -2), 0, 64, r"max_tokens, row_bytes: expected >= 1, got 0, 64"),
+        (0, (0, -2), 4, 0, r"max_tokens, row_bytes: expected >= 1, got 4, 0"),
+        (1, (0, -2), 4, 64, r"row: expected CUDA ordinal 1 exactly once"),
     ],
 )
-def test_the_library_refuses_bad_rows(library, ordinal, row, tokens, message):
+def test_the_library_refuses_bad_rows(library, ordinal, row, tokens, row_bytes, message):
+    """What the transport itself needs to open a group: at least one rank, slots of at least one
+    row of at least one byte, this device in the row once. Limits of the kernels (R <= 16,
+    max_tokens <= 65535) are Python's: peer.unsupported_reason, PeerOptions."""
     import ctypes
 
-    native = peer_ipc.LibraryNative(ctypes.CDLL(str(library)))
+    native = peer_ipc.LibraryNative(ctypes.CDLL(str(library)), row_bytes)
     with pytest.raises(RuntimeError, match=r"mode='peer' \(exporting this rank's mailbox\): " + message):
         native.export(ordinal, row, tokens)
     with pytest.raises(RuntimeError, match=r"mode='peer' \(mapping the other ranks' mailboxes\): " + message):
@@ -144,7 +150,7 @@ def test_the_library_refuses_bad_rows(library, ordinal, row, tokens, message):
 def test_the_library_maps_nothing_before_this_rank_exported(library):
     import ctypes
 
-    native = peer_ipc.LibraryNative(ctypes.CDLL(str(library)))
+    native = peer_ipc.LibraryNative(ctypes.CDLL(str(library)), 64)
     with pytest.raises(RuntimeError, match=r"not exported \(OprojPeerExport\) first|CUDA driver is unavailable"):
         native.import_(0, (0, -99), 4, [handle(0), handle(1)])
 
@@ -185,7 +191,7 @@ def _worker(process_id: int, count: int, port: int) -> int:
     mesh = Mesh(np.array(jax.devices()), ("tp",))
     table = tuple(peer_ipc.encode_row(row, process_id) for row in [mesh.devices])
     assert all(min(row) < 0 <= max(row) for row in table), table
-    peer_ipc.connect(mesh, "tp", table, 8, 60.0, native=Native)
+    peer_ipc.connect(mesh, "tp", table, 8, 60.0, row_bytes=64, native=Native)
     try:  # a third rank that is not there: named after the timeout
         peer_ipc.exchange(peer_ipc.DistributedStore(), "absent", process_id, 3, bytes(64), 1.0)
     except RuntimeError as err:

@@ -5,6 +5,9 @@ asking for it where it cannot run raises a clear error.
 The lowering uses a CPU mesh lowered for CUDA (lowering_platforms=("cuda",)) and a fake
 manifest (lowering never opens a cubin). What only the GPU run covers (tests/test_peer_gpu.py):
 executing the call (allocation, peer writes, polling, the timeout) and the bits it produces.
+
+The call's two launches are checked parameter by parameter against the lists the C++ handler
+computed before the launches moved to Python (ffi/cute_peer.cc, `PlanPeer`; docs/launch.md).
 """
 
 import ctypes
@@ -17,12 +20,54 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
+from conftest import inplace_pairs, launch_attributes
 from oproj_jax import abi, configs, sharded
-from oproj_jax.cute import backend, cache, ffi, peer
+from oproj_jax.cute import backend, cache, ffi, launch, peer
 from oproj_jax.cute import manifest as cute_manifest
+from oproj_jax.cute.launch import Arg, Kind
 
 H = configs.HIDDEN
 COLLECTIVES = ("all_gather", "all_reduce", "all_to_all", "reduce_scatter", "collective_permute", "psum")
+B = launch.buffer
+
+
+def f32(x):
+    return Arg(Kind.F32, int(np.float32(x).view(np.uint32)))
+
+
+def u32(x):
+    return Arg(Kind.U32, x & 0xFFFFFFFF)
+
+
+def expected_launches(R, T, NB, reps, *, timeout_us, skip=-1, max_tokens=peer.DEFAULT_MAX_TOKENS, eps=None):
+    """The parameters of the publish and the consumer launch as ffi/cute_peer.cc computed them:
+    operands partial 0, prefix 1, blocks 2, norm 3, query 4, out_norm 5; results prefix 6,
+    output 7, xmoe 8, flags 9 ([3] i32: status, hints, publish status)."""
+    eps = backend.DEFAULTS.eps if eps is None else eps
+    publish = [
+        B(0),  # src: the partial
+        *(launch.peer_slot(r) for r in range(16)),  # dests: slot `me` of every rank's mailbox (0 past R)
+        Arg(Kind.PEER_U32_UNLESS_RANK, R, skip),  # n_dest: R, 0 on the skipped rank
+        B(9),  # flags
+        u32(T * H // 8),  # fragments: 16 bytes each
+        u32(timeout_us),
+        launch.peer_control(),
+    ]
+    consumer = [
+        launch.peer_mailbox(),  # this rank's mailbox
+        B(6),  # prefix (the result, in place)
+        B(2) if NB else B(6),  # blocks, or a valid pointer
+        *(B(3), B(4), B(5), B(7)),
+        B(8) if reps else B(7),  # xmoe, or a valid pointer
+        B(9, 4),  # hints: flags[1]
+        B(9, 0),  # status: flags[0]
+        f32(eps),
+        f32(backend.DEFAULTS.out_eps),
+        u32(max_tokens),  # T: the slots' capacity; the grid has the call's tokens
+        u32(timeout_us),
+        launch.peer_control(),
+    ]
+    return publish, consumer
 
 
 @pytest.fixture(scope="module")
@@ -120,15 +165,26 @@ def test_tp_consumer_lowers_to_one_peer_call_and_no_collective(gpu_mesh_here, R,
     for attribute in (
         f"group = dense<[{ordinals}]> : tensor<{R}xi64>",
         f"ranks = {R} : i64",
-        "skip_rank = -1 : i32",
-        f"timeout_us = {backend.DEFAULT_TIMEOUT_US} : i32",
+        f"max_tokens = {peer.DEFAULT_MAX_TOKENS} : i64",
+        f"row_bytes = {H * 2} : i64",
         "has_side_effect = true",
-        "pdl = true",
-        "block = 128 : i64",  # the folded build (manifest.FOLDED), as every call
-        f'entry = "entry_R{R}_NB0_0_G{cute_manifest.effective_groups(R, groups)}_x{reps}"',
-        'publish_entry = "publish_entry"',
     ):
         assert attribute in call, attribute
+    consumer, publish = launch_attributes(call), launch_attributes(call, "publish_")
+    want_publish, want_consumer = expected_launches(R, T, 0, reps, timeout_us=backend.DEFAULT_TIMEOUT_US)
+    groups = cute_manifest.effective_groups(R, groups)
+    assert consumer["entry"] == f"entry_R{R}_NB0_0_G{groups}_x{reps}" and consumer["smem"] == 20000 + groups
+    assert consumer["cubin"] == str(gpu_mesh_here / f"R{R}_NB0_0_G{groups}_x{reps}.cubin")
+    # the folded build (manifest.FOLDED), as every call: grid (7, T), clusters of 7, 128 threads
+    assert (consumer["grid"], consumer["block"], consumer["cluster"]) == ((7, T, 1), (128, 1, 1), (7, 1, 1))
+    assert consumer["pdl"] is True and consumer["params"] == want_consumer
+    assert publish["entry"] == "publish_entry" and publish["cubin"] == str(gpu_mesh_here / cute_manifest.PUBLISH_CUBIN)
+    # one thread per 16-byte fragment of the partial, no cluster, no shared memory
+    fragments = T * H // 8
+    assert (publish["grid"], publish["block"]) == (((fragments + 127) // 128, 1, 1), (128, 1, 1))
+    assert (publish["cluster"], publish["smem"], publish["pdl"]) == ((0, 0, 0), 0, True)
+    assert publish["params"] == want_publish
+    assert inplace_pairs(call) == [(1, 0)]  # the prefix, read and written in place
     # the partial goes to the call as XLA made it: the publish kernel sanitizes, not XLA
     assert "compare" not in text and "select" not in text
     aliases = set(re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", call))
@@ -146,8 +202,11 @@ def test_the_options_reach_the_call(gpu_mesh_here):
         return sharded.tp_consumer(*args, mesh=mesh, mode="peer", groups=4, peer_options=options)  # backend auto
 
     (call,) = _peer_calls(_lower(fn, *_consumer_args(2, 65, 8)))
-    assert 'entry = "entry_R2_NB8_1_G2_x0"' in call and "block = 128 : i64" in call  # groups 4 sums as 2 at R=2
-    assert "timeout_us = 1234 : i32" in call and "skip_rank = 1 : i32" in call
+    consumer, publish = launch_attributes(call), launch_attributes(call, "publish_")
+    assert consumer["entry"] == "entry_R2_NB8_1_G2_x0" and consumer["block"] == (128, 1, 1)  # groups 4 sums as 2 at R=2
+    assert consumer["grid"] == (7, 65, 1) and publish["grid"] == ((65 * H // 8 + 127) // 128, 1, 1)
+    want_publish, want_consumer = expected_launches(2, 65, 8, 0, timeout_us=1234, skip=1)
+    assert publish["params"] == want_publish and consumer["params"] == want_consumer
 
 
 def test_fused_oproj_lowers_to_dot_then_peer_call(gpu_mesh_here):

@@ -45,9 +45,10 @@ import pytest
 # second venv, the newest jax without extras, skips the file.)
 pytest.importorskip("triton", reason="the triton extra is not installed")
 
-from conftest import benchmark_script
+from conftest import benchmark_script, inplace_pairs, launch_attributes
 from oproj_jax import configs, testing
 from oproj_jax.configs import Config
+from oproj_jax.cute import launch as ffi_launch
 from oproj_jax.triton import plan
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -448,23 +449,17 @@ def library_cache(monkeypatch, tmp_path):
     library.compile_launch.cache_clear()
 
 
-LIBRARY_CALL = re.compile(
-    r"stablehlo\.custom_call @(oproj_triton_launch\w*)\((.*?)\) \{.*mhlo\.backend_config = \{(.*?)\}"
-)
-
-
-def _attribute(config: str, name: str) -> str:
-    return re.search(rf"\b{name} = (dense<\[?([^\]>]*)\]?>|\"([^\"]*)\"|(\d+))", config).group(2, 3, 4)
+LIBRARY_CALL = re.compile(r"stablehlo\.custom_call @(oproj_launch\w*)\((.*?)\) \{.*")
 
 
 @pytest.mark.parametrize(
     ("variant", "T", "target"),
     [
-        (None, 5, "oproj_triton_launch"),
-        ("tile-512-w8", 3, "oproj_triton_launch"),
-        ("row-w16", 64, "oproj_triton_launch"),
-        ("row-w16", 65, "oproj_triton_launch_traced"),
-        (None, 80, "oproj_triton_launch_traced"),
+        (None, 5, "oproj_launch"),
+        ("tile-512-w8", 3, "oproj_launch"),
+        ("row-w16", 64, "oproj_launch"),
+        ("row-w16", 65, "oproj_launch_traced"),
+        (None, 80, "oproj_launch_traced"),
     ],
 )
 def test_library_lowering_names_a_stored_cubin_and_its_parameters(library_cache, variant, T, target):
@@ -478,30 +473,32 @@ def test_library_lowering_names_a_stored_cubin_and_its_parameters(library_cache,
     launch = plan.make(16, T, 8, 7168, **PRODUCTION, variant=variant).launch
     assert len(calls) == 1, text[:3000]
     assert re.search(r"%arg1: tensor<\d+x7168xbf16> \{tf\.aliasing_output = 0", text), "the donated prefix"
-    ((name, operands, config),) = calls
+    ((name, operands),) = calls
     assert name == target
-    dense = lambda key: [int(v) for v in _attribute(config, key)[0].split(",") if v.strip()]
-    path = pathlib.Path(_attribute(config, "cubin")[1])
+    call = next(line for line in text.splitlines() if f"stablehlo.custom_call @{name}(" in line)
+    attrs = launch_attributes(call)
+    path = pathlib.Path(attrs["cubin"])
     image = path.read_bytes()
     assert path.parent == library_cache and hashlib.sha256(image).hexdigest()[:24] in path.name
     assert image[:4] == b"\x7fELF", "a cubin"
-    assert _attribute(config, "entry")[1] == launch.kernel
-    assert int(_attribute(config, "block")[2]) == 32 * launch.num_warps
-    assert dense("grid") == [*launch.grid, 1, 1][:3]
+    assert attrs["entry"] == launch.kernel
+    assert attrs["block"] == (32 * launch.num_warps, 1, 1) and attrs["cluster"] == (0, 0, 0)
+    assert attrs["grid"] == (*launch.grid, 1, 1)[:3]
     n_in = operands.count("%")
     zeroed = launch.kernel == "sync_kernel"
     n_arrays = n_in - zeroed
-    params = dense("params")
-    assert params[:n_arrays] == list(range(n_arrays)) and params[-2:] == [-1, -1], params
+    params = attrs["params"]
+    B = ffi_launch.buffer
+    assert params[:n_arrays] == [B(i) for i in range(n_arrays)] and params[-2:] == [ffi_launch.NULL] * 2, params
     results = params[n_arrays:-2]
-    assert results == list(range(n_in, n_in + len(results))), params
+    assert results == [B(i) for i in range(n_in, n_in + len(results))], params
     # PDL (sm_90 here) for the sync kernel, the one that waits for the grid ahead
-    assert re.search(r"\bpdl = (true|false)", config).group(1) == ("true" if zeroed else "false")
+    assert attrs["pdl"] is zeroed
     if zeroed:  # the counters: the last result, read in place from the zeros operand
-        assert dense("inplace") == [n_arrays, len(results) - 1]
+        assert inplace_pairs(call) == [(n_arrays, len(results) - 1)]
         assert f"output_tuple_indices = [{len(results) - 1}], operand_index = {n_arrays}," in text
     else:
-        assert dense("inplace") == []
+        assert inplace_pairs(call) == []
 
 
 def test_library_lowering_compiles_each_kernel_once(library_cache):

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from oproj_jax import abi
-from oproj_jax.cute import cache, ffi
+from oproj_jax.cute import cache, ffi, launch
 from oproj_jax.contract import HIDDEN, ConsumerResult, Dims, check_arguments
 from oproj_jax.cute import manifest as cute_manifest
 from oproj_jax.options import DEFAULTS, Options, takes_options
@@ -168,8 +168,9 @@ class _Kernel(NamedTuple):
     entry: str
     smem: int
     block: int
-    # [slots (R), NB, xmoe replicas] it is built for: the FFI handler checks the operands against it
+    # [slots (R), NB, xmoe replicas] it is built for: consumer_launch checks the operands against it
     variant: tuple[int, int, int] | None = None
+    cluster: tuple[int, int, int] = (7, 1, 1)  # CTAs per cluster: one cluster per token (cute/ABI.md)
 
 
 def _prebuilt(key: dict, arch: str) -> tuple[tuple[dict, dict] | None, str]:
@@ -227,6 +228,7 @@ def _kernel(key: dict, T: int, ready: bool, arch: str | None = None) -> _Kernel:
         int(entry["dynamic_smem_bytes"]),
         int(entry["block"][0]),
         (key["R"], key["NB"], key["xmoe_replicas"]),
+        tuple(int(c) for c in entry["cluster"]),
     )
 
 
@@ -346,7 +348,7 @@ def _supported_kernel(dims: Dims, opts: Options, *, twoshot: bool, ready: bool) 
 
 READY_TIMEOUT_US = -1  # the kernel's ready mode: slots complete at launch, no poll, no re-arm
 # Up to this many tokens the ready call enters XLA's command buffers through its record stage
-# (a graph node with PDL edges); above, through stream capture (ffi.READY_TRACED_TARGET).
+# (a graph node with PDL edges); above, through stream capture (ffi.LAUNCH_TRACED_TARGET).
 RECORD_MAX_T = ffi.RECORD_MAX_T
 
 
@@ -360,7 +362,6 @@ def consumer(mailbox, prefix, blocks, norm, query, out_norm, **options) -> Consu
     dims = Dims(*mailbox.shape[:2], blocks.shape[1], mailbox.shape[2])
     _check_concrete_platform(mailbox, prefix, blocks)
     kernel = _supported_kernel(dims, opts, twoshot=False, ready=True)
-    ffi.register_targets()
     T, H = prefix.shape
     out_types = [
         jax.ShapeDtypeStruct((T, H), jnp.bfloat16),
@@ -368,11 +369,25 @@ def consumer(mailbox, prefix, blocks, norm, query, out_norm, **options) -> Consu
         jax.ShapeDtypeStruct((opts.xmoe_replicas, T, H), jnp.bfloat16),
         jax.ShapeDtypeStruct((2,), jnp.uint32),
     ]
+    # operands: mailbox 0, prefix 1, blocks 2, norm 3, query 4, out_norm 5; results: prefix 6,
+    # output 7, xmoe 8, scratch 9 ([2] u32: the hints counter and the status word, never read)
+    b = launch.buffer
+    kernel_launch = consumer_launch(
+        kernel, tokens=T, variant=(dims.R, dims.NB, opts.xmoe_replicas), ready=True, twoshot=False, pdl=True,
+        mailbox=b(0), prefix=b(6), blocks=b(2), norm=b(3), query=b(4), out_norm=b(5), output=b(7), xmoe=b(8),
+        hints=b(9, 0), status=b(9, 4), eps=opts.eps, out_eps=opts.out_eps, T=T, timeout_us=READY_TIMEOUT_US,
+        control=launch.NULL,
+    )  # fmt: skip
     # jax.vmap runs one kernel call per batch element (the kernel has no batch dimension).
-    target = ffi.READY_TARGET if T <= RECORD_MAX_T else ffi.READY_TRACED_TARGET
-    call = jax.ffi.ffi_call(target, out_types, input_output_aliases={1: 0}, vmap_method="sequential")
-    attributes = _attributes(kernel, opts.eps, opts.out_eps, READY_TIMEOUT_US, True)
-    new_prefix, output, xmoe, _ = call(mailbox, prefix, blocks, norm, query, out_norm, **attributes)
+    new_prefix, output, xmoe, _ = launch.call(
+        kernel_launch,
+        (mailbox, prefix, blocks, norm, query, out_norm),
+        out_types,
+        aliases={1: 0},
+        inplace=[(1, 0)],
+        traced=T > RECORD_MAX_T,
+        vmap_method="sequential",
+    )
     return ConsumerResult(new_prefix, output, xmoe if opts.xmoe_replicas else None)
 
 
@@ -409,17 +424,44 @@ def check_timeout_us(timeout_us: Any) -> int:
     return int(timeout_us)
 
 
-def _attributes(kernel: _Kernel, eps, out_eps, timeout_us, pdl) -> dict:
-    return dict(
-        cubin=kernel.cubin,
-        entry=kernel.entry,
-        smem=np.int64(kernel.smem),
-        block=np.int64(kernel.block),
-        eps=np.float32(eps),
-        out_eps=np.float32(out_eps),
-        timeout_us=np.int32(timeout_us),
-        pdl=bool(pdl),
-        variant=np.asarray(kernel.variant, np.int64),
+_VARIANT = ("slots (R)", "completed blocks (NB)", "xmoe replicas")
+
+
+def consumer_launch(
+    kernel: _Kernel, *, tokens: int, variant: tuple[int, int, int], ready: bool, twoshot: bool, pdl: bool, **values
+) -> launch.Launch:
+    """The consumer cubin's launch for one call (cute/ABI.md): grid (CTAs per token, tokens, 1)
+    with the cubin's cluster, block and shared memory, and the parameters of abi.CONSUMER_ONESHOT
+    (abi.CONSUMER_TWOSHOT) from `values` by name (launch.params). Where an operand holds no data
+    (NB = 0: blocks; reps = 0: xmoe) the kernel reads nothing but wants a valid pointer: prefix's
+    and output's. Refuses, before anything is launched, operands of another variant than the
+    cubin's ([slots, NB, reps]: compile-time constants; others would be read or written out of
+    bounds), more tokens than the slots hold (`T`), and a `timeout_us` of the other mode (< 0 is
+    ready mode)."""
+    for name, built, got in zip(_VARIANT, kernel.variant, variant):
+        if built != got:
+            raise ValueError(
+                f"backend 'cute': the cubin {kernel.entry} is built for {name} = {built}, the operands have {got}"
+            )
+    if not 1 <= tokens <= values["T"]:
+        raise ValueError(
+            f"backend 'cute': {tokens} tokens, the slots hold T = {values['T']} (expected 1 <= tokens <= T)"
+        )
+    if (values["timeout_us"] < 0) != ready or values["timeout_us"] == 0:
+        mode = "ready mode needs timeout_us < 0" if ready else "the protocol needs timeout_us > 0"
+        raise ValueError(f"backend 'cute': {mode}, got {values['timeout_us']}")
+    _, NB, reps = variant
+    values = dict(values, blocks=values["blocks"] if NB else values["prefix"])
+    values["xmoe"] = values["xmoe"] if reps else values["output"]
+    return launch.Launch(
+        kernel.cubin,
+        kernel.entry,
+        grid=(kernel.cluster[0], tokens, 1),
+        block=(kernel.block, 1, 1),
+        cluster=kernel.cluster,
+        smem=kernel.smem,
+        pdl=pdl,
+        params=launch.params(abi.CONSUMER_TWOSHOT if twoshot else abi.CONSUMER_ONESHOT, values),
     )
 
 
@@ -472,16 +514,32 @@ def _consume(
     if not published:
         extra = tuple(without_negative_zero(x) for x in extra)
         slots = without_negative_zero(slots)
-    ffi.register_targets()
     out_types = _out_types(slots, prefix, opts.xmoe_replicas, hints, status)
     out_types += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in extra]
-    attributes = _attributes(kernel, opts.eps, opts.out_eps, timeout_us, pdl)
-    if twoshot:
-        call = jax.ffi.ffi_call(ffi.TWOSHOT_TARGET, out_types, input_output_aliases={**_ALIASES, 8: 6})
-        attributes["me"] = np.int32(me)
+    # operands: slots 0, prefix 1, blocks 2, norm 3, query 4, out_norm 5, hints 6, status 7[, recv 8];
+    # results after them: slots, prefix, output, xmoe, hints, status[, recv]
+    b, n = launch.buffer, 8 + len(extra)
+    values = dict(
+        mailbox=b(n), prefix=b(n + 1), blocks=b(2), norm=b(3), query=b(4), out_norm=b(5), output=b(n + 2),
+        xmoe=b(n + 3), hints=b(n + 4), status=b(n + 5), eps=opts.eps, out_eps=opts.out_eps, T=dims.T,
+        timeout_us=timeout_us,
+    )  # fmt: skip
+    if twoshot:  # one GPU: the gather target is the gather row itself
+        values.update(recv=b(n + 6), gather=b(n), me=me)
     else:
-        call = jax.ffi.ffi_call(ffi.ONESHOT_TARGET, out_types, input_output_aliases=_ALIASES)
-    out = call(slots, prefix, blocks, norm, query, out_norm, hints, status, *extra, **attributes)
+        values.update(control=launch.NULL)  # no fail-stop words outside mode="peer"
+    kernel_launch = consumer_launch(
+        kernel, tokens=dims.T, variant=(dims.R, dims.NB, opts.xmoe_replicas), ready=False, twoshot=twoshot, pdl=pdl,
+        **values,
+    )  # fmt: skip
+    aliases = {**_ALIASES, 8: 6} if twoshot else _ALIASES
+    out = launch.call(
+        kernel_launch,
+        (slots, prefix, blocks, norm, query, out_norm, hints, status, *extra),
+        out_types,
+        aliases=aliases,
+        inplace=sorted(aliases.items()),  # every aliased operand is read in place
+    )
     new_slots, new_prefix, output, xmoe, hints, status, *new_extra = out
     xmoe = xmoe if opts.xmoe_replicas else None
     if twoshot:

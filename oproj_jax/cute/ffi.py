@@ -1,4 +1,4 @@
-"""The XLA FFI library that launches the CuTe cubins: build it, load it once, register its targets.
+"""The XLA FFI library that launches the package's cubins: build it, load it once, register its targets.
 
 The C++ sources in the checkout's top-level `ffi/` (in an installed wheel: `oproj_jax/_ffi/`) are
 built with g++ alone into one library, against the headers of the jaxlib in use
@@ -10,8 +10,13 @@ Build it with
 
 (default oproj_jax/_lib/liboproj_ffi.so, git-ignored). `pip install .` builds it too (setup.py,
 against the build environment's pinned jaxlib), when g++ and cuda.h are found; the compile step
-itself is oproj_jax/_ffi_build.py. The targets are registered lazily, the first time a cute call is
+itself is oproj_jax/_ffi_build.py. The targets are registered lazily, the first time a call is
 traced (`register_targets()`).
+
+Targets. The library knows no kernel: one generic launch target (ffi/launch.cc) runs whatever
+launch a call describes in its attributes (oproj_jax/cute/launch.py builds them: the CuTe consumer
+in every mode, the Triton kernels), and the peer transport (ffi/cute_peer.cc) runs two such
+launches, a publish and a consume, over the mailboxes it owns.
 
 Registration. Each target has an execute stage (a launch on XLA's stream) and a record stage:
 inside an XLA command buffer (a CUDA graph) the record stage adds the kernel as a graph node and
@@ -38,25 +43,19 @@ import numpy as np
 
 from oproj_jax import _ffi_build as ffi_build
 
-ONESHOT_TARGET = "oproj_cute_consumer"
-TWOSHOT_TARGET = "oproj_cute_consumer_twoshot"
-READY_TARGET = "oproj_cute_consumer_ready"  # XLA-produced mailbox: read once, no polling, no re-arm
-# The same handlers without a record stage, for many tokens: XLA loads the module of a record
-# stage's launch itself and sets CU_FUNC_CACHE_PREFER_SHARED on it (the smallest L1), and the
-# memory-bound multi-wave grids of large T then ran 18% slower (421 against 357 us at T=4096 on
-# the H200); traced by stream capture, the call launches our own module.
-READY_TRACED_TARGET = "oproj_cute_consumer_ready_traced"
+# Every kernel but the peer mode's: one launch described by the call (ffi/launch.h), with a record stage.
+LAUNCH_TARGET = "oproj_launch"
+# The same handlers without a record stage (an initialize stage loads the module ahead): traced by
+# stream capture inside command buffers, so the call launches our own module (RECORD_MAX_T says why).
+LAUNCH_TRACED_TARGET = "oproj_launch_traced"
 PEER_TARGET = "oproj_cute_peer"  # mode="peer": publish into the group's mailboxes, then consume (ffi/cute_peer.cc)
-# Up to this many tokens a call names a target with a record stage (a graph node updated in place);
-# above, its twin without one (READY_TRACED_TARGET, TRITON_TRACED_TARGET), traced by stream
-# capture: the grid is then several waves and memory-bound, and for a record-stage launch XLA
-# loads its own module and sets CU_FUNC_CACHE_PREFER_SHARED on it (the smallest L1), which cost
-# the CuTe kernels 18 % at T = 4096 (docs/perf.md), more than the host work the record stage saves.
+# Up to this many tokens a call of the ready consumer or a Triton kernel names LAUNCH_TARGET (a
+# graph node updated in place); above, LAUNCH_TRACED_TARGET, traced by stream capture: the grid is
+# then several waves and memory-bound, and for a record-stage launch XLA loads its own module and
+# sets CU_FUNC_CACHE_PREFER_SHARED on it (the smallest L1), which cost the CuTe kernels 18 % at
+# T = 4096 (421 against 357 us on the H200, docs/perf.md), more than the host work the record
+# stage saves.
 RECORD_MAX_T = 64
-# backend="triton": a Triton cubin (oproj_jax/triton/library.py, ffi/triton_launch.cc), with a
-# record stage, and without one for large T (as READY_TRACED_TARGET).
-TRITON_TARGET = "oproj_triton_launch"
-TRITON_TRACED_TARGET = "oproj_triton_launch_traced"
 BOOTSTRAP_TARGET = "oproj_cute_register_targets"
 BOOTSTRAP_SYMBOL = "OprojRegisterTargets"
 
@@ -67,7 +66,7 @@ class Stages(NamedTuple):
 
     execute: str  # outside command buffers: a launch on XLA's stream
     # inside command buffers: graph nodes with PDL edges, updated in place when XLA hands new
-    # buffers; None for the targets of many tokens (RECORD_MAX_T), which XLA traces by stream capture
+    # buffers; None for the target of many tokens (RECORD_MAX_T), which XLA traces by stream capture
     record: str | None
     # a traced target's module load, ahead of the capture; a target with a record stage has none:
     # XLA would run it at every execution of every call site (host time per call), and its record
@@ -79,13 +78,9 @@ class Stages(NamedTuple):
 
 # The library's targets: the one table both registration paths (bootstrap, lowering only) read.
 SYMBOLS = {
-    ONESHOT_TARGET: Stages("OprojOneshotExecute", "OprojOneshotRecord"),
-    TWOSHOT_TARGET: Stages("OprojTwoshotExecute", "OprojTwoshotRecord"),
-    READY_TARGET: Stages("OprojReadyExecute", "OprojReadyRecord"),
-    READY_TRACED_TARGET: Stages("OprojReadyExecute", None, "OprojOneshotInitialize"),
+    LAUNCH_TARGET: Stages("OprojLaunchExecute", "OprojLaunchRecord"),
+    LAUNCH_TRACED_TARGET: Stages("OprojLaunchExecute", None, "OprojLaunchInitialize"),
     PEER_TARGET: Stages("OprojPeerExecute", "OprojPeerRecord", instantiate="OprojPeerInstantiate"),
-    TRITON_TARGET: Stages("OprojTritonExecute", "OprojTritonRecord"),
-    TRITON_TRACED_TARGET: Stages("OprojTritonExecute", None, "OprojTritonInitialize"),
 }
 COMMAND_BUFFER_COMPATIBLE = 1  # XLA_FFI_Handler_Traits: every target's traits
 

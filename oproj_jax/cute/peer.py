@@ -65,13 +65,15 @@ import numpy as np
 
 from oproj_jax import abi, processes
 from oproj_jax.abi import STATUS_CLOSED, STATUS_MAILBOX, STATUS_REFUSED, STATUS_UNARMED
-from oproj_jax.contract import Dims
-from oproj_jax.cute import backend, ffi, peer_ipc
+from oproj_jax.contract import HIDDEN, Dims
+from oproj_jax.cute import backend, ffi, launch, peer_ipc
 from oproj_jax.cute import manifest as cute_manifest
 from oproj_jax.options import Options
 
 MAX_RANKS = 16  # cute/publish.py MAX_RANKS: one publish launch writes every rank's slot
 DEFAULT_MAX_TOKENS = 512  # rows per mailbox slot: R * 512 * H * 2 bytes per device (117 MiB at R=16)
+ROW_BYTES = HIDDEN * 2  # one bf16 row [H] of a mailbox slot (the handler sizes the mailboxes from it)
+FRAGMENT_BYTES = 16  # the publish kernel stores 16-byte fragments, one per thread
 RESET_SYMBOL, CLOSE_SYMBOL = "OprojPeerReset", "OprojPeerClose"
 GROUP_COUNT_SYMBOL, ALLOCATED_SYMBOL, FAILED_SYMBOL = (
     "OprojPeerGroupCount",
@@ -144,9 +146,15 @@ class PeerResult(NamedTuple):
 # ---- what the mode needs ----------------------------------------------------------------------
 
 
-def _publish_kernel() -> tuple[str, str]:
-    """(cubin path, entry) of the publish kernel for the devices' arch, or a ValueError naming the
-    build command."""
+class _Publish(NamedTuple):
+    cubin: str  # absolute path
+    entry: str
+    threads: int  # per CTA: one per 16-byte fragment (cute/ABI.md "The publish kernel")
+
+
+def _publish_kernel() -> _Publish:
+    """The publish kernel of the manifest for the devices' arch, or a ValueError naming the build
+    command."""
     parsed, where = backend._manifest(backend._device_arch())
     if parsed is None:
         raise ValueError(f"no CuTe cubins/manifest found ({where})")
@@ -160,7 +168,8 @@ def _publish_kernel() -> tuple[str, str]:
     stale = cute_manifest.stale_reason(manifest)
     if stale:
         raise ValueError(stale)
-    return str(cute_manifest.verified_cubin_path(manifest, entry, backend.BUILD_COMMAND)), entry["entry"]
+    path = cute_manifest.verified_cubin_path(manifest, entry, backend.BUILD_COMMAND)
+    return _Publish(str(path), entry["entry"], int(entry["block"][0]))
 
 
 def unavailable_reason(platform: str) -> str | None:
@@ -201,7 +210,7 @@ def connect(mesh, axis_name: str, table, options: PeerOptions) -> None:
     """Maps the mailboxes of every group of `table` that spans processes (once per group and
     process until close(); a no-op for groups of one process). Every process of such a group
     must call it."""
-    peer_ipc.connect(mesh, axis_name, table, options.max_tokens, options.connect_timeout_s)
+    peer_ipc.connect(mesh, axis_name, table, options.max_tokens, options.connect_timeout_s, row_bytes=ROW_BYTES)
 
 
 # ---- the call ---------------------------------------------------------------------------------
@@ -225,22 +234,23 @@ def consume(
     array (the OR of the consumer's and the publish's words)."""
     opts = Options.from_kwargs(consumer_options)
     T, H = prefix.shape
-    R = len(table[0])
+    R, NB = len(table[0]), blocks.shape[1]
+    if tuple(partial.shape) != (T, H) or H * 2 != ROW_BYTES:
+        raise ValueError(f"partial: expected shape [T, H] = {(T, H)} with H = {HIDDEN}, got {tuple(partial.shape)}")
     if T > options.max_tokens:
-        raise ValueError(f"max_tokens: {unsupported_reason(Dims(R, T, blocks.shape[1], H), options.max_tokens)}")
-    kernel = backend._kernel(backend.kernel_key(R, blocks.shape[1], twoshot=False, **opts.asdict()), T, False)
-    publish_cubin, publish_entry = _publish_kernel()
-    ffi.register_targets()
+        raise ValueError(f"max_tokens: {unsupported_reason(Dims(R, T, NB, H), options.max_tokens)}")
+    kernel = backend._kernel(backend.kernel_key(R, NB, twoshot=False, **opts.asdict()), T, False)
     out_types = [
         jax.ShapeDtypeStruct((T, H), jnp.bfloat16),
         jax.ShapeDtypeStruct((T, H), jnp.bfloat16),
         jax.ShapeDtypeStruct((opts.xmoe_replicas, T, H), jnp.bfloat16),
         jax.ShapeDtypeStruct((3,), jnp.int32),
     ]
+    publish, consumer = _launches(kernel, _publish_kernel(), T, H, R, NB, opts, options)
+    ffi.register_targets()
     # has_side_effect: the call writes other devices' mailboxes (and every rank waits for every
     # other's call), so XLA must neither drop it (unused results) nor merge two identical calls.
     call = jax.ffi.ffi_call(ffi.PEER_TARGET, out_types, input_output_aliases={1: 0}, has_side_effect=True)
-    skip = -1 if options.skip_publish_rank is None else int(options.skip_publish_rank)
     new_prefix, output, xmoe, flags = call(
         partial,
         prefix,
@@ -248,17 +258,58 @@ def consume(
         norm,
         query,
         out_norm,
-        **backend._attributes(kernel, opts.eps, opts.out_eps, options.timeout_us, True),
-        publish_cubin=publish_cubin,
-        publish_entry=publish_entry,
+        **consumer.attributes(),
+        **publish.attributes("publish_"),
+        inplace=launch.pairs([(1, 0)]),  # the prefix, updated in place
         group=np.asarray(table, np.int64).reshape(-1),
         ranks=np.int64(R),
         max_tokens=np.int64(options.max_tokens),
+        row_bytes=np.int64(ROW_BYTES),
         connect_timeout_s=np.float32(options.connect_timeout_s),
-        skip_rank=np.int32(skip),
     )
     # flags: [0] the consumer's status, [1] its hints counter (scratch), [2] the publish status
     return PeerResult(new_prefix, output, xmoe if opts.xmoe_replicas else None, flags[0:1] | flags[2:3])
+
+
+def _launches(kernel, publish: _Publish, T, H, R, NB, opts: Options, options: PeerOptions):
+    """(the publish launch, the consumer launch) of one peer call. The call's buffers: operands
+    partial 0, prefix 1, blocks 2, norm 3, query 4, out_norm 5; results prefix 6, output 7, xmoe 8,
+    flags 9 ([3] i32: the consumer's status, its hints counter, the publish status). The
+    mailboxes, slots and control words are the transport's (launch.peer_*): the consumer polls
+    this rank's mailbox, whose slots hold max_tokens rows (its T, the slot stride; the grid has
+    the call's T)."""
+    b = launch.buffer
+    fragments = T * H * 2 // FRAGMENT_BYTES
+    dests = {f"dest_{r}": launch.peer_slot(r) for r in range(abi.PUBLISH_MAX_RANKS)}  # null past R
+    publish_launch = launch.Launch(
+        publish.cubin,
+        publish.entry,
+        grid=(-(-fragments // publish.threads), 1, 1),
+        block=(publish.threads, 1, 1),
+        cluster=launch.NO_CLUSTER,
+        smem=0,
+        pdl=True,
+        params=launch.params(
+            abi.PUBLISH,
+            dict(
+                src=b(0),
+                **dests,
+                # the test option's rank publishes nothing (no destination)
+                n_dest=launch.peer_u32_unless_rank(R, options.skip_publish_rank),
+                flags=b(9, 0),  # thread 0 zeroes the consumer's status; the publish status goes to flags[2]
+                fragments=fragments,
+                timeout_us=options.timeout_us,
+                control=launch.peer_control(),
+            ),
+        ),
+    )
+    consumer_launch = backend.consumer_launch(
+        kernel, tokens=T, variant=(R, NB, opts.xmoe_replicas), ready=False, twoshot=False, pdl=True,
+        mailbox=launch.peer_mailbox(), prefix=b(6), blocks=b(2), norm=b(3), query=b(4), out_norm=b(5), output=b(7),
+        xmoe=b(8), hints=b(9, 4), status=b(9, 0), eps=opts.eps, out_eps=opts.out_eps, T=options.max_tokens,
+        timeout_us=options.timeout_us, control=launch.peer_control(),
+    )  # fmt: skip
+    return publish_launch, consumer_launch
 
 
 def describe_status(code: int) -> str:

@@ -36,7 +36,7 @@ KEY_PREFIX = "oproj_jax/peer"
 EXPORT_SYMBOL, IMPORT_SYMBOL = "OprojPeerExport", "OprojPeerImport"
 
 _lock = threading.Lock()
-_connected: set[tuple] = set()  # (row, max_tokens) connected in this process (until close)
+_connected: set[tuple] = set()  # (row, max_tokens, row_bytes) connected in this process (until close)
 _generation = 0  # close() calls in this process: names the exchanges of a reopened group
 
 
@@ -123,21 +123,21 @@ class Native(Protocol):
 
 
 class LibraryNative:
-    """OprojPeerExport / OprojPeerImport of the FFI library."""
+    """OprojPeerExport / OprojPeerImport of the FFI library, for mailbox slots of `row_bytes` per row."""
 
-    def __init__(self, library: ctypes.CDLL):
+    def __init__(self, library: ctypes.CDLL, row_bytes: int):
         self._export = getattr(library, EXPORT_SYMBOL)
         self._import = getattr(library, IMPORT_SYMBOL)
-        common = [ctypes.c_int32, ctypes.POINTER(ctypes.c_int64), ctypes.c_int64, ctypes.c_int64]
+        self._row_bytes = int(row_bytes)
+        common = [ctypes.c_int32, ctypes.POINTER(ctypes.c_int64), ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
         for fn in (self._export, self._import):
             fn.restype = ctypes.c_int
             fn.argtypes = common + [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
 
-    @staticmethod
-    def _call(fn, ordinal, row, max_tokens, data, what):
+    def _call(self, fn, ordinal, row, max_tokens, data, what):
         values = (ctypes.c_int64 * len(row))(*row)
         message = ctypes.create_string_buffer(1024)
-        if fn(ordinal, values, len(row), max_tokens, data, message, len(message)) != 0:
+        if fn(ordinal, values, len(row), max_tokens, self._row_bytes, data, message, len(message)) != 0:
             raise RuntimeError(f"mode='peer' ({what}): {message.value.decode(errors='replace')}")
 
     def export(self, ordinal, row, max_tokens):
@@ -156,22 +156,23 @@ def connect(
     max_tokens: int,
     timeout_s: float,
     *,
+    row_bytes: int,
     store: Callable[[], Store] = DistributedStore,
     native: Callable[[], Native] | None = None,
 ) -> int:
     """Connects every cross-process row of `table` (peer.group_table(mesh, axis_name)) that holds
-    a device of this process, with mailboxes of `max_tokens` rows; returns how many it connected
-    now."""
+    a device of this process, with mailbox slots of `max_tokens` rows of `row_bytes`; returns how
+    many it connected now."""
     done = 0
     for row, encoded in zip(group_rows(mesh, axis_name), table):
         if min(encoded) >= 0 or max(encoded) < 0:  # one process's group, or none of ours
             continue
-        key = (encoded, int(max_tokens))
+        key = (encoded, int(max_tokens), int(row_bytes))
         with _lock:
             if key in _connected:
                 continue
             rank = next(i for i, v in enumerate(encoded) if v >= 0)
-            lib = native() if native else LibraryNative(_library())
+            lib = native() if native else LibraryNative(_library(), row_bytes)
             mine = lib.export(encoded[rank], encoded, int(max_tokens))
             tag = "-".join(str(int(d.id)) for d in row) + f"/open{_generation}"
             handles = exchange(store(), tag, rank, len(encoded), mine, timeout_s)

@@ -1,4 +1,4 @@
-"""The lowering of a Triton launch through the package's own FFI target (ffi/triton_launch.cc).
+"""The lowering of a Triton launch through the package's own FFI launch target (ffi/launch.cc).
 
 jaxlib's Triton kernel call enters XLA's command buffers by stream capture, traced again each
 time XLA hands the call new buffers; this target has a record stage (a kernel node whose
@@ -7,9 +7,10 @@ time, by Triton itself into a cubin (ptxas, as the PyTorch launch compiles it), 
 content-addressed under cache_dir() and named in the call with its entry, shared memory and
 launch shape; the C++ side loads it once per CUDA context.
 
-The target's parameters are the kernel's pointers in Triton's order: the operands, then the
-results (the kernels of kernel.py have no runtime scalars), then the null pointers Triton
-appends for its global and profile scratch (refused here if a kernel needs either). A result
+The launch's parameters (cute/launch.py) are the kernel's pointers in Triton's order: the
+operands, then the results (the kernels of kernel.py have no runtime scalars), then the null
+pointers Triton appends for its global and profile scratch (refused here if a kernel needs
+either); no thread block clusters. A result
 the kernel reads as passed in (the sync kernels' arrival counters, which must start at zero)
 is given as an extra zeros operand aliased to it: XLA zeroes it inside its graph, and the
 handler copies it over when XLA did not alias the two.
@@ -29,11 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from oproj_jax import disk_cache
-from oproj_jax.cute import ffi
+from oproj_jax.cute import ffi, launch as ffi_launch
 from oproj_jax.triton import plan as launch_plan
 
-TARGET = ffi.TRITON_TARGET  # record stage: a graph node, updated in place
-TRACED_TARGET = ffi.TRITON_TRACED_TARGET  # no record stage: traced by stream capture
+TARGET = ffi.LAUNCH_TARGET  # record stage: a graph node, updated in place
+TRACED_TARGET = ffi.LAUNCH_TRACED_TARGET  # no record stage: traced by stream capture
 RECORD_MAX_T = ffi.RECORD_MAX_T  # above it the launch names TRACED_TARGET (ffi.py says why)
 CACHE_ENV = disk_cache.ENV_CACHE_DIR  # "OPROJ_JAX_CACHE_DIR"
 POINTER_TYPES = {np.dtype(jnp.bfloat16): "*bf16", np.dtype(np.float32): "*fp32", np.dtype(np.int32): "*i32"}
@@ -101,33 +102,38 @@ def capability(given: int | None) -> int:
     return 10 * int(major) + int(minor)
 
 
+def check_block(kernel: str, block: int) -> None:
+    """A Triton program's threads: whole warps, at most 1024 (ValueError otherwise)."""
+    if block % 32 or not 32 <= block <= 1024:
+        raise ValueError(f"{kernel}: expected whole warps, 32..1024 threads per program, got {block}")
+
+
 def lower(launch: launch_plan.Launch, arrays, out_shape, aliases, zeroed, compute_capability):
     """One launch of `launch` as a call of TARGET (TRACED_TARGET above RECORD_MAX_T tokens): the
     results `out_shape` (the first is [T, H] in every launch of plan.py), `aliases` {operand:
     result}; the results in `zeroed` start at zero."""
-    ffi.register_targets()
     cc = capability(compute_capability)
     types = tuple(POINTER_TYPES[np.dtype(x.dtype)] for x in (*arrays, *out_shape))
     image = compile_launch(launch, types, cc)
+    check_block(launch.kernel, image.block)
     zeros = [jnp.zeros(out_shape[i].shape, out_shape[i].dtype) for i in zeroed]
     operands = (*arrays, *zeros)
     first_result = len(operands)
-    params = [*range(len(arrays)), *(first_result + i for i in range(len(out_shape))), *[-1] * image.extra_params]
-    inplace = [k for pair in ((len(arrays) + n, i) for n, i in enumerate(zeroed)) for k in pair]
-    aliases = {**(aliases or {}), **{len(arrays) + n: i for n, i in enumerate(zeroed)}}
-    grid = (*launch.grid, 1, 1)[:3]
-    tokens = out_shape[0].shape[0]
-    call = jax.ffi.ffi_call(
-        TARGET if tokens <= RECORD_MAX_T else TRACED_TARGET, out_shape, input_output_aliases=aliases
-    )
-    return call(
-        *operands,
-        cubin=image.path,
-        entry=image.entry,
-        smem=np.int64(image.smem),
-        block=np.int64(image.block),
-        grid=np.array(grid, np.int64),
-        params=np.array(params, np.int64),
-        inplace=np.array(inplace, np.int64),
+    pointers = [*range(len(arrays)), *(first_result + i for i in range(len(out_shape)))]
+    params = [*map(ffi_launch.buffer, pointers), *[ffi_launch.NULL] * image.extra_params]
+    inplace = [(len(arrays) + n, i) for n, i in enumerate(zeroed)]
+    aliases = {**(aliases or {}), **dict(inplace)}
+    kernel_launch = ffi_launch.Launch(
+        image.path,
+        image.entry,
+        grid=(*launch.grid, 1, 1)[:3],
+        block=(image.block, 1, 1),
+        cluster=ffi_launch.NO_CLUSTER,
+        smem=image.smem,
         pdl=bool(launch.pdl),
+        params=tuple(params),
+    )
+    tokens = out_shape[0].shape[0]
+    return ffi_launch.call(
+        kernel_launch, operands, out_shape, aliases=aliases, inplace=inplace, traced=tokens > RECORD_MAX_T
     )

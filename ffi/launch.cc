@@ -1,0 +1,311 @@
+// The generic launch (launch.h) and the library's launch targets, which every kernel but the peer
+// mode's goes through: the CuTe consumer in each of its modes (oproj_jax/cute/backend.py) and the
+// Triton kernels (oproj_jax/triton/library.py). Python names the cubin, the launch shape, the
+// typed parameters and the in-place operands in the call's attributes:
+//   execute     the in-place copies, then cuLaunchKernelEx on XLA's stream (cluster and PDL
+//               attributes where the call asks for them); the module is loaded on first use,
+//               cached per (context, cubin, entry);
+//   record      (inside an XLA command buffer, i.e. a CUDA graph) the same as graph nodes XLA
+//               owns: a memcpy node per in-place copy, the kernel node after them; when XLA hands
+//               new buffers it only rewrites their arguments (no capture, no re-instantiation);
+//   initialize  (the traced twin, registered without a record stage: oproj_jax/cute/ffi.py
+//               LAUNCH_TRACED_TARGET says when Python names it) loads the module ahead, so that
+//               XLA's stream capture of execute never loads one.
+// No allocation and no synchronization in execute; a PDL launch only where the call says so: the
+// kernel must wait for the grid before it (griddepcontrol.wait) before it reads anything.
+#include "launch.h"
+
+#include <cuda.h>
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace oproj {
+
+ffi::Error Invalid(std::string_view entry, const std::string& what) {
+  return ffi::Error::InvalidArgument(std::string(entry) + ": " + what);
+}
+
+namespace {
+
+// The address of the call's buffer `index` (operands, then results) plus `offset` bytes.
+ffi::ErrorOr<void*> BufferAddress(ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t index, int64_t offset,
+                                  std::string_view entry) {
+  const int64_t n_args = int64_t(args.size()), n_rets = int64_t(rets.size());
+  if (index < 0 || index >= n_args + n_rets)
+    return Invalid(entry, "params: buffer " + std::to_string(index) + " of " + std::to_string(n_args + n_rets));
+  void* data = nullptr;
+  size_t bytes = 0;
+  if (index < n_args) {
+    auto got = args.get<ffi::AnyBuffer>(index);
+    if (got.has_error()) return got.error();
+    data = got->untyped_data(), bytes = offset ? got->size_bytes() : 0;
+  } else {
+    auto got = rets.get<ffi::AnyBuffer>(index - n_args);
+    if (got.has_error()) return got.error();
+    data = (*got)->untyped_data(), bytes = offset ? (*got)->size_bytes() : 0;
+  }
+  if (offset < 0 || (offset > 0 && size_t(offset) >= bytes))
+    return Invalid(entry, "params: offset " + std::to_string(offset) + " outside buffer " + std::to_string(index) +
+                              " (" + std::to_string(bytes) + " bytes)");
+  return static_cast<char*>(data) + offset;
+}
+
+// Three values of a [x, y, z] attribute, each in [low, high[i]].
+ffi::Error Dims3(std::string_view entry, const char* name, ffi::Span<const int64_t> got, int64_t low,
+                 const int64_t (&high)[3], unsigned (&out)[3]) {
+  if (got.size() != 3) return Invalid(entry, std::string(name) + ": expected [x, y, z], got " + std::to_string(got.size()) + " values");
+  for (int i = 0; i < 3; ++i) {
+    if (got[i] < low || got[i] > high[i])
+      return Invalid(entry, std::string(name) + "[" + std::to_string(i) + "]: expected " + std::to_string(low) + ".." +
+                                std::to_string(high[i]) + ", got " + std::to_string(got[i]));
+    out[i] = unsigned(got[i]);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+// ---- Kernel -------------------------------------------------------------------------------------
+ffi::Error Kernel::Shape(const LaunchAttrs& a) {
+  cubin_ = a.cubin, entry_ = a.entry, pdl_ = a.pdl;
+  // CUDA's limits (a launch past them fails in the driver with a less helpful error)
+  if (auto e = Dims3(entry_, "grid", a.grid, 1, {(int64_t(1) << 31) - 1, 65535, 65535}, grid_); e.failure()) return e;
+  if (auto e = Dims3(entry_, "block", a.block, 1, {1024, 1024, 64}, block_); e.failure()) return e;
+  if (int64_t(block_[0]) * block_[1] * block_[2] > 1024)
+    return Invalid(entry_, "block: at most 1024 threads per CTA");
+  const bool none = a.cluster.size() == 3 && a.cluster[0] == 0 && a.cluster[1] == 0 && a.cluster[2] == 0;
+  if (!none)
+    if (auto e = Dims3(entry_, "cluster", a.cluster, 1, {16, 16, 16}, cluster_); e.failure()) return e;
+  if (a.smem < 0 || a.smem > 227 * 1024)
+    return Invalid(entry_, "smem: expected 0..232448 bytes, got " + std::to_string(a.smem));
+  smem_ = uint32_t(a.smem);
+  return ffi::Error::Success();
+}
+
+ffi::Error Kernel::Plan(const LaunchAttrs& a, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                        const Resolver* resolver) {
+  if (auto e = Shape(a); e.failure()) return e;
+  if (a.params.size() % kParamWords || a.params.size() > size_t(kParamWords * kMaxParams))
+    return Invalid(entry_, "params: expected (kind, value, extra) for at most " + std::to_string(kMaxParams) +
+                               " parameters, got " + std::to_string(a.params.size()) + " words");
+  n_params_ = int(a.params.size() / kParamWords);
+  for (int i = 0; i < n_params_; ++i) {
+    const int64_t kind = a.params[kParamWords * i], value = a.params[kParamWords * i + 1],
+                  extra = a.params[kParamWords * i + 2];
+    Param& p = params_[i];
+    switch (kind) {
+      case kNull:
+        p = Param{};
+        break;
+      case kBuffer: {
+        auto address = BufferAddress(args, rets, value, extra, entry_);
+        if (address.has_error()) return address.error();
+        p = Param{reinterpret_cast<uint64_t>(*address), 8, true};
+        break;
+      }
+      case kU32:
+      case kI32:
+      case kF32:
+        p = Param{uint64_t(uint32_t(value)), 4, false};
+        break;
+      case kU64:
+        p = Param{uint64_t(value), 8, false};
+        break;
+      default:
+        if (!resolver)
+          return Invalid(entry_, "params: parameter " + std::to_string(i) + " has kind " + std::to_string(kind) +
+                                     ", which this target does not resolve");
+        if (auto e = resolver->Resolve(kind, value, extra, p); e.failure()) return e;
+    }
+    addresses_[i] = &p.bits;  // little-endian: a 4-byte scalar is the low half
+  }
+  return ffi::Error::Success();
+}
+
+ffi::ErrorOr<CUfunction> Kernel::Function() const { return GetFunction(cubin_, entry_, smem_, clustered()); }
+
+ffi::Error Kernel::Launch(CUstream stream) {
+  auto fn = Function();
+  if (fn.has_error()) return fn.error();
+  CUlaunchAttribute attrs[2] = {};
+  unsigned n = 0;
+  if (clustered()) {
+    attrs[n].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attrs[n].value.clusterDim.x = cluster_[0];
+    attrs[n].value.clusterDim.y = cluster_[1];
+    attrs[n].value.clusterDim.z = cluster_[2];
+    ++n;
+  }
+  if (pdl_) {
+    attrs[n].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attrs[n].value.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  CUlaunchConfig config = {};
+  config.gridDimX = grid_[0], config.gridDimY = grid_[1], config.gridDimZ = grid_[2];
+  config.blockDimX = block_[0], config.blockDimY = block_[1], config.blockDimZ = block_[2];
+  config.sharedMemBytes = smem_;
+  config.hStream = stream;
+  config.attrs = attrs;
+  config.numAttrs = n;
+  if (CUresult r = driver().LaunchKernelEx(&config, *fn, addresses_, nullptr)) return CudaError(r, entry_, "cuLaunchKernelEx");
+  return ffi::Error::Success();
+}
+
+std::vector<ffi::KernelArg> Kernel::Args() const {
+  std::vector<ffi::KernelArg> out;
+  out.reserve(n_params_);
+  for (int i = 0; i < n_params_; ++i) {
+    const Param& p = params_[i];
+    if (p.pointer)
+      out.push_back(ffi::DevicePointer{reinterpret_cast<void*>(p.bits)});
+    else
+      out.push_back(ffi::HostValue{&p.bits, p.size});
+  }
+  return out;
+}
+
+ffi::ErrorOr<const XLA_FFI_Command*> Kernel::Record(RecordContext& ctx,
+                                                    const std::vector<const XLA_FFI_Command*>& deps) const {
+  auto image = CubinImage(cubin_, entry_);
+  if (image.has_error()) return image.error();
+  XLA_FFI_LaunchDims dims{{int32_t(grid_[0]), int32_t(grid_[1]), int32_t(grid_[2])},
+                          {int32_t(block_[0]), int32_t(block_[1]), int32_t(block_[2])},
+                          {int32_t(cluster_[0]), int32_t(cluster_[1]), int32_t(cluster_[2])}};
+  return ctx.CreateLaunch(std::string(entry_).c_str(), (*image)->data(), (*image)->size(), ffi::SourceFormat::kCubin,
+                          dims, smem_, pdl_, Args(), deps);
+}
+
+ffi::Error Kernel::Update(RecordContext& ctx, const XLA_FFI_Command* command) const {
+  return ctx.UpdateLaunch(command, Args());
+}
+
+// ---- Copies -------------------------------------------------------------------------------------
+ffi::Error Copies::Plan(ffi::Span<const int64_t> inplace, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                        std::string_view entry) {
+  if (inplace.size() % 2 || inplace.size() > size_t(2 * kMaxCopies))
+    return Invalid(entry, "inplace: expected at most " + std::to_string(kMaxCopies) + " (operand, result) pairs");
+  for (size_t i = 0; i < inplace.size(); i += 2) {
+    const int64_t in = inplace[i], out = inplace[i + 1];
+    if (in < 0 || in >= int64_t(args.size()) || out < 0 || out >= int64_t(rets.size()))
+      return Invalid(entry, "inplace: pair (" + std::to_string(in) + ", " + std::to_string(out) + ") out of range");
+    auto src = args.get<ffi::AnyBuffer>(in);
+    auto dst = rets.get<ffi::AnyBuffer>(out);
+    if (src.has_error()) return src.error();
+    if (dst.has_error()) return dst.error();
+    if (src->size_bytes() != (*dst)->size_bytes())
+      return Invalid(entry, "inplace: operand " + std::to_string(in) + " and result " + std::to_string(out) +
+                                " differ in size");
+    if (src->untyped_data() != (*dst)->untyped_data() && src->size_bytes())
+      copies_[n_++] = {src->untyped_data(), (*dst)->untyped_data(), src->size_bytes()};
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Copies::Run(CUstream stream, std::string_view entry) const {
+  for (int i = 0; i < n_; ++i) {
+    const Copy& c = copies_[i];
+    if (CUresult r = driver().MemcpyDtoDAsync(CUdeviceptr(c.dst), CUdeviceptr(c.src), c.bytes, stream))
+      return CudaError(r, entry, "cuMemcpyDtoDAsync(in-place operand)");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Copies::Record(RecordContext& ctx, std::vector<const XLA_FFI_Command*>& commands) const {
+  for (int i = 0; i < n_; ++i) {
+    const Copy& c = copies_[i];
+    auto command = ctx.CreateMemcpyD2D(c.dst, const_cast<void*>(c.src), c.bytes);
+    if (command.has_error()) return command.error();
+    commands.push_back(*command);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Copies::Update(RecordContext& ctx, const ffi::BoundedCommandVector& commands) const {
+  for (int i = 0; i < n_; ++i) {
+    const Copy& c = copies_[i];
+    if (auto e = ctx.UpdateMemcpyD2D(commands[i], c.dst, const_cast<void*>(c.src), c.bytes); e.failure()) return e;
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace oproj
+
+// ---- the launch targets -------------------------------------------------------------------------
+namespace {
+
+using namespace oproj;
+
+#define LAUNCH_SIG \
+  ffi::RemainingArgs args, ffi::RemainingRets rets, OPROJ_LAUNCH_SIG(), ffi::Span<const int64_t> inplace
+
+ffi::Error Plan(Kernel& kernel, Copies& copies, LAUNCH_SIG) {
+  if (auto e = kernel.Plan(OPROJ_LAUNCH_VALUES(), args, rets); e.failure()) return e;
+  return copies.Plan(inplace, args, rets, entry);
+}
+
+ffi::Error Execute(CUstream stream, LAUNCH_SIG) {
+  Kernel kernel;
+  Copies copies;
+  if (auto e = Plan(kernel, copies, args, rets, cubin, entry, grid, block, cluster, smem, pdl, params, inplace);
+      e.failure())
+    return e;
+  if (auto e = copies.Run(stream, entry); e.failure()) return e;
+  return kernel.Launch(stream);
+}
+
+ffi::Error RecordStage(RecordContext ctx, LAUNCH_SIG) {
+  Kernel kernel;
+  Copies copies;
+  if (auto e = Plan(kernel, copies, args, rets, cubin, entry, grid, block, cluster, smem, pdl, params, inplace);
+      e.failure())
+    return e;
+  auto commands = ctx.commands();
+  const int64_t needed = copies.size() + 1;
+  if (ctx.action() == ffi::RecordAction::kUpdate) {
+    if (commands.size() != needed)
+      return ffi::Error::Internal(std::string(entry) + ": recorded " + std::to_string(commands.size()) +
+                                  " commands, the update has " + std::to_string(needed));
+    if (auto e = copies.Update(ctx, commands); e.failure()) return e;
+    return kernel.Update(ctx, commands[copies.size()]);
+  }
+  if (commands.capacity() < needed) {
+    // XLA traces the execute stage instead: load the module now, outside the capture.
+    auto fn = kernel.Function();
+    return fn.has_error() ? fn.error() : ctx.RequestStreamCapture();
+  }
+  std::vector<const XLA_FFI_Command*> deps;
+  if (auto e = copies.Record(ctx, deps); e.failure()) return e;
+  auto launch = kernel.Record(ctx, deps);
+  return launch.has_error() ? launch.error() : ffi::Error::Success();
+}
+
+// Initialize (the traced twin only): loads the module ahead, never under stream capture.
+ffi::Error Initialize(LAUNCH_SIG) {
+  Kernel kernel;
+  if (auto e = kernel.Shape(OPROJ_LAUNCH_VALUES()); e.failure()) return e;
+  auto fn = kernel.Function();
+  return fn.has_error() ? fn.error() : ffi::Error::Success();
+}
+
+}  // namespace
+
+#define LAUNCH_BINDING                                                                     \
+  .RemainingArgs().RemainingRets() OPROJ_LAUNCH_ATTRS("")                                  \
+      .Attr<ffi::Span<const int64_t>>("inplace") /* (operand, result) pairs read in place */
+
+constexpr auto kCmdBuffer = ffi::Traits::kCmdBufferCompatible;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OprojLaunchInitialize, Initialize, ffi::Ffi::BindInitialize() LAUNCH_BINDING,
+                              {kCmdBuffer});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OprojLaunchExecute, Execute,
+                              ffi::Ffi::Bind().Ctx<ffi::PlatformStream<CUstream>>() LAUNCH_BINDING, {kCmdBuffer});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OprojLaunchRecord, RecordStage,
+                              ffi::Ffi::BindRecord().Ctx<ffi::Extension<RecordExtension>>() LAUNCH_BINDING,
+                              {kCmdBuffer});
