@@ -58,8 +58,8 @@ ffi::ErrorOr<const std::string*> ImageLocked(std::string_view cubin, std::string
     image.assign(std::istreambuf_iterator<char>(file), {});
     if (image.empty())
       return ffi::Error::InvalidArgument(std::string(entry) + ": cannot read cubin '" + std::string(cubin) +
-                                         "' (CuTe: python -m oproj_jax.cute.build; Triton: the file was removed "
-                                         "after the call was traced)");
+                                         "' (the call names it from where it was when the call was traced; "
+                                         "python -m oproj_jax.build builds the prebuilt ones)");
   }
   return &image;
 }

@@ -4,11 +4,11 @@
 // A group runs in one process driving all its GPUs (JAX's usual single-host layout), or with one
 // rank per process ("groups across processes" below: the same, except that each process
 // allocates only its own rank's mailbox and maps the others' by CUDA IPC). Each group (its
-// devices' CUDA ordinals in rank order) has ONE mailbox per device, R slots of max_tokens rows of
-// row_bytes (both from the call: [R, max_tokens, H] bf16) plus its meeting words, allocated when
-// the group opens (first use, or the cross-process connect)
-// in the device's primary context, peer access enabled between every pair, armed with the
-// sentinel 0x80000000; every T <= max_tokens uses rows 0..T-1 of each slot, so a fragment's
+// devices' CUDA ordinals in rank order) has ONE mailbox per device, R slots of max_tokens rows
+// of row_bytes (both from the call: [R, max_tokens, H] bf16) plus its meeting words, allocated
+// when the group opens (first use, or the cross-process connect) in the device's primary
+// context, peer access enabled between every pair, armed with the sentinel 0x80000000; every
+// T <= max_tokens uses rows 0..T-1 of each slot, so a fragment's
 // address never depends on T. Per device and group, 64 bytes of control words come from a pool
 // that is never freed (see "Fail-stop"). OprojPeerClose frees the mailboxes and unmaps the
 // other processes' (peer.close()); memory: R * max_tokens * row_bytes plus R u64 meeting words
@@ -156,10 +156,11 @@ const bool site_registered = AddStateType({"oproj_peer_site", &Site::id, ffi::Ma
 // Layout of one rank's mailbox allocation: R slots of max_tokens rows of row_bytes ([R,
 // max_tokens, H] bf16; a call with T tokens uses rows 0..T-1 of every slot, so each fragment's
 // address is the same for every T), then the meeting words (R u64, one per rank: how many
-// first-call meetings that rank has entered, padded to kMeetAlign bytes). The control words of a rank live apart, in a per-device pool that is never
-// freed (kControlBytes each: u64 CTA counter of the publish kernel at 0, u32 fail-stop word at 8,
-// u32 publish status accumulator at 12), so that an executable recorded before close() still
-// finds them: the kernels read the fail-stop word (kClosed) before anything else and refuse.
+// first-call meetings that rank has entered, padded to kMeetAlign bytes). The control words of
+// a rank live apart, in a per-device pool that is never freed (kControlBytes each: u64 CTA
+// counter of the publish kernel at 0, u32 fail-stop word at 8, u32 publish status accumulator
+// at 12), so that an executable recorded before close() still finds them: the kernels read the
+// fail-stop word (kClosed) before anything else and refuse.
 constexpr size_t kMeetAlign = 256;         // the meeting words' size is a multiple of it
 constexpr size_t kControlBytes = 64;       // one rank's control words
 constexpr size_t kControlPoolBytes = 1 << 16;  // per device: 1024 groups opened over the process's life

@@ -7,7 +7,7 @@
 // A parameter is three int64 words of a `params` attribute, (kind, value, extra):
 //   kNull    (0, 0, 0)              a null pointer
 //   kBuffer  (1, index, offset)     the address of the call's buffer `index` (the operands, then
-//                                   the results) plus `offset` bytes: one word of a scratch buffer
+//                                   the results) plus `offset` bytes (e.g. one word of a scratch)
 //   kU32, kI32, kF32  (2, 3, 4; bits, 0)   a 32-bit scalar, the low 32 bits of `bits`
 //   kU64     (5, bits, 0)           a 64-bit scalar
 // and the kinds only a target's Resolver knows (the peer transport, cute_peer.cc), because only

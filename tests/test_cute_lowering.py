@@ -5,9 +5,9 @@ The lowering tests use a fake manifest (any bytes as "cubin", sealed with their 
 installed sources' fingerprint): lowering only hashes the cubin and passes the manifest entry's
 path, entry name, shared memory and block size.
 
-Each path's launch is checked parameter by parameter against the list the C++ handlers computed
-before the launch moved to Python (ffi/cute_consumer.cc, `Plan::Params`): the same kernel
-parameters, in the same order, with the same values (docs/launch.md has the table).
+Each path's launch is checked parameter by parameter: the kernel parameters of cute/ABI.md in
+order, with their values (docs/launch.md has the table, and the lists the launcher it replaced
+computed in C++).
 """
 
 import ctypes
@@ -158,8 +158,8 @@ def _consumer_shape(attrs, fake_cubins, variant: int, T: int):
 def test_oneshot_lowers_to_our_custom_call(fake_cubins):
     """The protocol (consume): operands mailbox 0, prefix 1, blocks 2, norm 3, query 4, out_norm
     5, hints 6, status 7; results mailbox 8, prefix 9, output 10, xmoe 11, hints 12, status 13.
-    The C++ handler passed the results of the in-place operands, eps, out_eps, T, timeout_us and
-    a null control."""
+    The kernel gets the results of the in-place operands, eps, out_eps, T, timeout_us and a null
+    control."""
     fn = functools.partial(
         backend.consume, eps=1e-6, out_eps=1e-5, has_delta=True, groups=2, xmoe_replicas=1, timeout_us=77
     )
@@ -183,7 +183,7 @@ def test_oneshot_lowers_to_our_custom_call(fake_cubins):
 
 def test_oneshot_without_blocks_or_xmoe_passes_valid_pointers(fake_cubins):
     """NB = 0 and reps = 0: the kernel reads neither blocks nor xmoe but wants valid pointers
-    (cute/ABI.md), which the C++ handler took from prefix and output (OrValid)."""
+    (cute/ABI.md): prefix's and output's."""
     fn = functools.partial(backend.consume, has_delta=False, groups=1, xmoe_replicas=0, timeout_us=5)
     text = lower_for_cuda(fn, spec(2, 4, H), spec(4, H), spec(4, 0, H), spec(H), spec(H), spec(H))
     _, attrs = _launch(text)
@@ -220,8 +220,8 @@ def test_published_mailbox_goes_straight_to_the_kernel(fake_cubins):
 def test_registry_consumer_uses_the_ready_kernel(fake_cubins):
     """The registry path reads an XLA-made mailbox once: timeout_us < 0, the mailbox neither
     sanitized nor aliased (so XLA never copies it), only the prefix updated in place. Operands
-    mailbox 0 .. out_norm 5; results prefix 6, output 7, xmoe 8, scratch 9 ([2] u32): the C++
-    handler passed the mailbox operand itself and carved hints and status from the scratch."""
+    mailbox 0 .. out_norm 5; results prefix 6, output 7, xmoe 8, scratch 9 ([2] u32): the kernel
+    reads the mailbox operand itself, hints and status are the scratch's two words."""
     fn = functools.partial(backend.consumer, eps=1e-6, out_eps=1e-6, has_delta=True, groups=2, xmoe_replicas=1)
     text = lower_for_cuda(fn, spec(2, 3, H), spec(3, H), spec(3, 1, H), spec(H), spec(H), spec(H))
     call, attrs = _launch(text)

@@ -1,10 +1,11 @@
-"""The launch description (oproj_jax/cute/launch.py) and the checks that moved from C++ to Python.
+"""The launch description (oproj_jax/cute/launch.py) and the checks made before a launch.
 
 The FFI library knows no kernel (ffi/launch.h): Python names the cubin, the launch shape and the
 typed parameter list, built by name from oproj_jax/abi.py. The lowering tests
-(test_cute_lowering.py, test_peer_lowering.py, test_triton.py) hold each path's list to the one
-the C++ handlers computed; this file tests the encoding, and, one test per check, that every
-refusal the kernel-specific C++ did before a launch is made in Python (docs/launch.md, "Checks").
+(test_cute_lowering.py, test_peer_lowering.py, test_triton.py) hold each path's list to
+cute/ABI.md; this file tests the encoding and, one test per check, that every operand a cubin
+cannot take is refused in Python, since the launch target takes untyped buffers and knows
+neither shapes nor variants (docs/launch.md, "Checks").
 """
 
 import re
@@ -99,7 +100,7 @@ def test_encode_and_attributes():
     assert list(launch.pairs([(1, 0), (6, 4)])) == [1, 0, 6, 4]
 
 
-# ---- the checks that moved from C++ (docs/launch.md, "Checks") ------------------------------------
+# ---- the checks before a launch (docs/launch.md, "Checks") ----------------------------------------
 
 KERNEL = backend._Kernel("/k.cubin", "k", 1000, 128, (16, 8, 0))
 
@@ -131,20 +132,21 @@ def test_consumer_launch_is_the_old_handler_launch():
     ],
 )
 def test_operands_of_another_variant_are_refused(variant, message):
-    """cute_consumer.cc CheckVariant, cute_peer.cc's: R, NB and reps are compiled into the cubin."""
+    """R, NB and reps are compiled into the cubin: operands of another variant are refused."""
     with pytest.raises(ValueError, match=message):
         _launch(variant=variant)
 
 
 def test_more_tokens_than_the_slots_hold_are_refused():
-    """cute_peer.cc: T <= max_tokens (the consumer's T is the slots' capacity)."""
+    """The consumer's T is the slots' capacity: a launch of more tokens is refused (mode="peer":
+    T <= max_tokens)."""
     with pytest.raises(ValueError, match=r"4 tokens, the slots hold T = 3"):
         _launch(tokens=4)
     _launch(tokens=2)  # fewer: mode="peer"'s grid of T rows in slots of max_tokens
 
 
 def test_the_timeout_says_the_mode():
-    """cute_consumer.cc: the ready target needs timeout_us < 0; cute_peer.cc: the protocol > 0."""
+    """Ready mode is timeout_us < 0, the protocol (and mode="peer") needs timeout_us > 0."""
     with pytest.raises(ValueError, match="ready mode needs timeout_us < 0, got 5"):
         _launch(timeout_us=5)
     for bad in (0, -1):
@@ -160,7 +162,7 @@ def _arrays(R=2, T=3, NB=1, Hd=H):
 
 
 def test_the_hidden_size_and_token_limits():
-    """cute_consumer.cc / cute_peer.cc: prefix [T, 7168] with 1 <= T <= 65535."""
+    """The cubins take prefix [T, 7168] with 1 <= T <= 65535 (the grid's y)."""
     assert backend._launch_reason(Dims(2, 3, 1, 4096)).startswith("the CuTe cubins are built for H = 7168")
     assert "grid's y limit 65535" in backend._launch_reason(Dims(2, 65536, 1, H))
     with pytest.raises(ValueError, match="expected T >= 1"):
@@ -178,7 +180,7 @@ def test_the_hidden_size_and_token_limits():
     ],
 )
 def test_operand_shapes(index, shape, message):
-    """cute_consumer.cc CheckInputs, cute_peer.cc's shape checks: contract.check_arguments."""
+    """Every operand's shape follows the mailbox's T and H: contract.check_arguments."""
     arrays = _arrays()
     arrays[index] = jnp.zeros(shape, jnp.bfloat16)
     with pytest.raises(ValueError, match=message):
@@ -186,7 +188,7 @@ def test_operand_shapes(index, shape, message):
 
 
 def test_operand_dtypes():
-    """The typed FFI bindings (bf16 buffers, u32 hints, s32 status) refused other dtypes."""
+    """bf16 operands, u32 hints, i32 status, bf16 recv: the launch target takes untyped buffers."""
     arrays = _arrays()
     arrays[0] = arrays[0].astype(jnp.float32)
     with pytest.raises(TypeError, match="mailbox: expected dtype bfloat16"):
@@ -200,7 +202,7 @@ def test_operand_dtypes():
 
 
 def test_twoshot_shapes():
-    """cute_consumer.cc PlanTwoshot: gather [1, T, H], recv [R, T, H/R], 0 <= me < R."""
+    """Twoshot: gather [1, T, H], recv [R, T, H/R], 0 <= me < R."""
     gather, dims = _arrays(R=1)[0], Dims(1, 3, 1, H)
     recv = jnp.zeros((2, 3, H // 2), jnp.bfloat16)
     assert backend._twoshot_dims(recv, 1, gather, dims) == Dims(2, 3, 1, H)
@@ -213,8 +215,8 @@ def test_twoshot_shapes():
 
 
 def test_peer_partial_tokens_and_ranks():
-    """cute_peer.cc PlanPeer: partial [T, H] of prefix, T <= max_tokens; FindGroup/RowKey R <= 16;
-    OprojPeerExport max_tokens <= 65535."""
+    """mode="peer": partial [T, H] of prefix, T <= max_tokens, R <= 16 (the publish kernel's
+    destinations), max_tokens <= 65535; the transport itself only needs R, max_tokens >= 1."""
     partial, prefix, blocks, norm, query, out_norm = [a[0] if i == 0 else a for i, a in enumerate(_arrays())]
     with pytest.raises(ValueError, match=r"partial: expected shape \[T, H\]"):
         peer.consume(partial[:2], prefix, blocks, norm, query, out_norm, table=((0, 1),))
@@ -230,7 +232,7 @@ def test_peer_partial_tokens_and_ranks():
 
 
 def test_triton_programs_are_whole_warps():
-    """triton_launch.cc: block a multiple of 32 in 32..1024 (launch.cc keeps 1..1024 threads)."""
+    """A Triton program is whole warps, 32..1024 threads (launch.cc checks 1..1024 threads)."""
     from oproj_jax.triton import library
 
     library.check_block("k", 256)

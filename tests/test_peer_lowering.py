@@ -6,8 +6,7 @@ The lowering uses a CPU mesh lowered for CUDA (lowering_platforms=("cuda",)) and
 manifest (lowering never opens a cubin). What only the GPU run covers (tests/test_peer_gpu.py):
 executing the call (allocation, peer writes, polling, the timeout) and the bits it produces.
 
-The call's two launches are checked parameter by parameter against the lists the C++ handler
-computed before the launches moved to Python (ffi/cute_peer.cc, `PlanPeer`; docs/launch.md).
+The call's two launches are checked parameter by parameter (docs/launch.md has the table).
 """
 
 import ctypes
@@ -40,9 +39,9 @@ def u32(x):
 
 
 def expected_launches(R, T, NB, reps, *, timeout_us, skip=-1, max_tokens=peer.DEFAULT_MAX_TOKENS, eps=None):
-    """The parameters of the publish and the consumer launch as ffi/cute_peer.cc computed them:
-    operands partial 0, prefix 1, blocks 2, norm 3, query 4, out_norm 5; results prefix 6,
-    output 7, xmoe 8, flags 9 ([3] i32: status, hints, publish status)."""
+    """The parameters of the publish and the consumer launch: operands partial 0, prefix 1,
+    blocks 2, norm 3, query 4, out_norm 5; results prefix 6, output 7, xmoe 8, flags 9 ([3] i32:
+    status, hints, publish status)."""
     eps = backend.DEFAULTS.eps if eps is None else eps
     publish = [
         B(0),  # src: the partial
