@@ -20,11 +20,13 @@
 #            (benchmarks/triton_gpu.py)
 #   triton-record  the Triton record: 3 runs of triton_gpu.py, merged (benchmarks/triton_record.py:
 #            the median per T and launch); $TRITON_TOKENS (default 1,8,64,512,4096) the T to run
-#   launcher the GPU tests of every path through the FFI launch target and the peer transport
-#            (cute: ready, protocol, twoshot, the cubin family; peer in one process, across
-#            processes and its faults; triton), then the host time per call at T=1 of this
-#            launcher against the one in .dev/old (benchmarks/launch_ab.py; prepare .dev/old on
-#            a CPU machine with `python benchmarks/launch_ab.py --prepare-old REV` and carry it)
+#   launcher launcher-ab, then launcher-tests (each may also be named alone):
+#            launcher-ab: the host time per call at T=1 of this FFI launcher against the one in
+#            .dev/old (benchmarks/launch_ab.py; prepare .dev/old on a CPU machine with
+#            `python benchmarks/launch_ab.py --prepare-old REV` and carry it);
+#            launcher-tests: the GPU tests of every path through the launch target and the peer
+#            transport (cute: ready, protocol, twoshot, the cubin family; peer in one process,
+#            across processes and its faults; triton; 2 GPUs for the peer tests)
 # Build first (python -m oproj_jax.build; pip wheel . --no-deps -w .whl) and carry
 # oproj_jax/_lib, oproj_jax/cute/cubins and .whl (and .dev for the launcher stage).
 # Usage on the GPU machine: bash benchmarks/gpu_stages.sh OUTDIR checks,record,...
@@ -110,12 +112,14 @@ if has triton-record; then
   python3 benchmarks/triton_record.py --out "$out/triton-record.json" "$out"/triton-run*/*.json
   rm -rf "$out"/triton-run?
 fi
-if has launcher; then
-  stage launcher-tests 380 python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short -n 8 --dist loadfile \
+if has launcher || has launcher-ab; then  # first, on a quiet machine
+  stage launcher-ab 170 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/launch_ab.py --old .dev/old --out "$out" \
+    --tokens 1 --rounds 3 --budget 110
+  tail -n 12 "$out/launcher-ab.txt"
+fi
+if has launcher || has launcher-tests; then
+  stage launcher-tests 390 python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short -n 8 --dist loadfile \
     tests/test_cute_gpu.py tests/test_cute_family_gpu.py tests/test_peer_gpu.py tests/test_peer_faults_gpu.py \
     tests/test_peer_processes_gpu.py tests/test_triton_gpu.py
   tail -n 25 "$out/launcher-tests.txt"
-  stage launcher-ab 190 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/launch_ab.py --old .dev/old --out "$out" \
-    --tokens 1 --rounds 3 --budget 120
-  tail -n 12 "$out/launcher-ab.txt"
 fi

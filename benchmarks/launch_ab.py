@@ -194,26 +194,31 @@ def main(argv=None) -> int:
                 figures = run_arm(arms[name], flags, args)
                 runs.append(dict(round=r, arm=name, config=config, **figures))
                 print(f"round {r} {name:3s} {config:5s} " + json.dumps(figures)[:400], flush=True)
+        report(runs, args, argv)  # after every round: a stopped run keeps what it measured
+    return 0
+
+
+def report(runs: list[dict], args, argv) -> None:
+    """Prints the medians over the rounds per form, old, new and new - old; writes the JSON."""
     summary = {}
     keys = sorted({k for run in runs for k in run if k.endswith("_us")})
-    print(f"\n{'form':28s} {'old':>8s} {'new':>8s} {'new-old':>8s}   (medians over rounds, us per call)")
+    print(f"\n{'form':32s} {'old':>8s} {'new':>8s} {'new-old':>8s}   (medians over rounds, us per call)")
     for config in CONFIGS:
         for key in keys:
             if config == "nocb" and "/rotated/" in key:
                 continue  # no command buffer to update: the same as steady
             med = {}
-            for arm in arms:
+            for arm in ("old", "new"):
                 values = [run[key] for run in runs if run["arm"] == arm and run["config"] == config and key in run]
                 med[arm] = statistics.median(values) if values else float("nan")
             summary[f"{config}/{key}"] = dict(med, delta=med["new"] - med["old"])
-            print(f"{config + '/' + key:28s} {med['old']:8.2f} {med['new']:8.2f} {med['new'] - med['old']:+8.2f}")
+            print(f"{config + '/' + key:32s} {med['old']:8.2f} {med['new']:8.2f} {med['new'] - med['old']:+8.2f}")
+    print(flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, "launch-ab.json")
         with open(path, "w") as f:
             json.dump(dict(script="benchmarks/launch_ab.py", argv=argv or sys.argv[1:], runs=runs, summary=summary), f)
-        print(f"wrote {path}")
-    return 0
 
 
 if __name__ == "__main__":
