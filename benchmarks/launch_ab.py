@@ -19,7 +19,7 @@ to call): the host's dispatch time per call is (median dispatch(K2) - median dis
 us_host); `wall` is the same slope of the executions waited for. Prints per form and T the
 medians over the rounds, old and new and new - old, and writes every process's figures as JSON.
 
-    python benchmarks/launch_ab.py --prepare-old 18db3a1            # a CPU machine: .dev/old
+    python benchmarks/launch_ab.py --prepare-old 4971b2f            # a CPU machine: .dev/old
     python benchmarks/launch_ab.py --old .dev/old --out OUTDIR        # the GPU machine
 """
 
