@@ -155,6 +155,7 @@ def prepare_old(rev: str, where: str) -> None:
 
 
 def run_arm(tree: str, flags: str, args) -> dict:
+    tree = os.path.abspath(tree)  # the worker runs in it: a relative path would not lead back
     site = os.path.join(REPO, ".dev", "site")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, site]), XLA_FLAGS=flags)
     env.setdefault("OPROJ_JAX_CUBIN_DIR", os.path.join(REPO, "oproj_jax", "cute", "cubins"))

@@ -303,7 +303,9 @@ def test_xla_command_buffer(gpu, tmp_path):
         os.environ,
         XLA_FLAGS=f"--xla_gpu_graph_min_graph_size=1 --xla_dump_to={dump}",
         XLA_PYTHON_CLIENT_PREALLOCATE="false",
-        PYTHONPATH=str(pathlib.Path(__file__).parents[1]),
+        PYTHONPATH=os.pathsep.join(
+            filter(None, (str(pathlib.Path(__file__).parents[1]), os.environ.get("PYTHONPATH")))
+        ),
     )
     done = subprocess.run(
         [sys.executable, "-c", _PALLAS_CHAIN, str(out)], env=env, capture_output=True, text=True, timeout=300
