@@ -7,7 +7,8 @@
 #   pallas                tests/test_pallas.py::test_parity_gpu (default build and the 7-CTA split)
 #   peer publish + consumer  tests/test_peer_gpu.py::test_peer_bits_equal_oneshot (2 GPUs or more)
 #   triton sync           tests/test_triton_gpu.py, the sync kernel's launches from JAX and PyTorch
-#                         (its barriers: counters, polls, records), a CUDA graph replay, a
+#                         (its barriers: counters, polls, records; the cluster's barrier in
+#                         thread block clusters), a CUDA graph replay, a
 #                         jitted call through the package's launch target (graph node), PDL
 #                         launches on counters kept from call to call
 # One process per tool (memcheck, racecheck, synccheck, initcheck) and per group (the cute and
@@ -60,6 +61,8 @@ triton_tests=(
   "tests/test_triton_gpu.py::test_donated_prefix_is_updated_in_place[sync-2048-w8-64-library]"
   "tests/test_triton_gpu.py::test_donated_prefix_is_updated_in_place[None-80-library]"
   "tests/test_triton_gpu.py::test_kept_counters_and_pdl_give_the_bits_of_zeroed_counters[8]"
+  "tests/test_triton_gpu.py::test_cluster_configuration_gives_the_bits_of_its_counterpart[1-sync-1024-w4-cluster]"
+  "tests/test_triton_gpu.py::test_torch_launch_replays_in_a_cuda_graph[sync-1024-w4-cluster]"
 )
 # cute consumer and publish kernels: "..._oproj_jaxcutekernelOprojConsumer_..." and
 # "..._oproj_jaxcutepublishPublish_..."; the Pallas kernel: pallas/consumer.py KERNEL_NAME

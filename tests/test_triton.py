@@ -55,7 +55,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 ARGS = ("mailbox", "prefix", "blocks", "norm", "query", "out_norm")
 EPS = dict(eps=0.5, out_eps=0.25)  # large against the sources' mean squares: a swapped epsilon shows
 # every kernel path: row, tile, sync holding its blocks (the default at T <= 8), sync reading them again
-KINDS = ("row-w16", "tile-512-w8", None, "sync-1024-w4-reload-r64")
+KINDS = ("row-w16", "tile-512-w8", None, "sync-256-w1", "sync-1024-w4-reload-r64")
 
 
 # ---- interpreter ------------------------------------------------------------------------------
@@ -118,7 +118,7 @@ def _cases() -> list[Case]:
     # chunks (the last one partial), 7 chunks reading the blocks again
     cases += [
         Case(Config(16, 2, 8, H=7168), v)
-        for v in (None, "row-w16", "tile-512-w8", "sync-2048-w8", "sync-1024-w4-reload-r64")
+        for v in (None, "row-w16", "tile-512-w8", "sync-2048-w8", "sync-1024-w4-reload-r64", "sync-2048-w8-cluster")
     ]
     return cases
 
@@ -159,7 +159,11 @@ def interpreted(tmp_path_factory):
         options = dict(EPS, **case.config.options(), variant=case.variant)
         table.append(dict(id=case.id, args=ARGS, options=options))
     (folder / "cases.json").write_text(json.dumps(table))
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    env = dict(
+        os.environ,
+        TRITON_INTERPRET="1",
+        PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
+    )
     done = subprocess.run(
         [sys.executable, "-c", _INTERPRET, str(folder)], env=env, capture_output=True, text=True, timeout=600
     )
@@ -324,6 +328,34 @@ def test_sync_kernel_barriers_as_compiled(tmp_path, monkeypatch):
         assert "atom." not in _compile_sm90(stage).asm["ptx"], dict(stage.constexprs)["PHASE"]
 
 
+def test_cluster_configuration_meets_at_the_cluster_barrier(tmp_path, monkeypatch):
+    """A sync configuration launched in clusters: its two barriers are the cluster's (every
+    thread arrives with release and waits with acquire), no atomic, no poll, no trap; the launch
+    names clusters of its C = 7 programs and has no counters; the interpreter's stages, none."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    clustered = plan.make(16, 3, 8, 7168, **PRODUCTION, variant="sync-1024-w4-cluster", clusters=True)
+    launch = clustered.launch
+    assert launch.cluster == 7 and launch.grid == (7, 3) and dict(launch.constexprs)["CLUSTER"] is True
+    assert clustered.arrivals_shape is None and clustered.stats_shape == (3, 7, 2 * 8 + 3)
+    ptx = _compile_sm90(launch).asm["ptx"]
+    assert ptx.count("barrier.cluster.arrive.release.aligned") == 2
+    assert ptx.count("barrier.cluster.wait.acquire.aligned") == 2
+    assert "atom." not in ptx and "trap;" not in ptx and "ld.global.cg" in ptx
+    counterpart = plan.make(16, 3, 8, 7168, **PRODUCTION, variant="sync-1024-w4").launch
+    assert counterpart.cluster == 0 and dict(counterpart.constexprs)["CLUSTER"] is False
+    for stage in clustered.stages():
+        assert stage.cluster == 0 and dict(stage.constexprs)["CLUSTER"] is False
+        assert (
+            stage.constexprs
+            == dataclasses.replace(
+                counterpart,
+                constexprs=tuple(
+                    sorted({**dict(counterpart.constexprs), "PHASE": dict(stage.constexprs)["PHASE"]}.items())
+                ),
+            ).constexprs
+        ), "the stages of the counterpart"
+
+
 def test_sync_kernel_with_pdl_waits_before_reading(tmp_path, monkeypatch):
     """pdl=True: the launch asks for programmatic dependent launch (Triton's launch_pdl) and the
     kernel's first instructions wait for the grid ahead (griddepcontrol.wait), before any load;
@@ -456,6 +488,7 @@ LIBRARY_CALL = re.compile(r"stablehlo\.custom_call @(oproj_launch\w*)\((.*?)\) \
     ("variant", "T", "target"),
     [
         (None, 5, "oproj_launch"),
+        ("sync-2048-w8-cluster", 5, "oproj_launch"),
         ("tile-512-w8", 3, "oproj_launch"),
         ("row-w16", 64, "oproj_launch"),
         ("row-w16", 65, "oproj_launch_traced"),
@@ -466,11 +499,12 @@ def test_library_lowering_names_a_stored_cubin_and_its_parameters(library_cache,
     """The default launch: a call of the package's target (traced above library.RECORD_MAX_T
     tokens) naming a cubin stored under its sha256, the kernel's pointers in Triton's order
     (operands, results, then Triton's two null scratch pointers), the launch shape of the plan;
-    the sync counters start from a zeros operand aliased to them; the sync kernel launched with
-    PDL."""
+    the sync counters start from a zeros operand aliased to them (none in a cluster
+    configuration, the default up to 64 tokens on sm_90, launched in clusters of its programs, its
+    counter pointer an int32 placeholder); the sync kernel launched with PDL."""
     text = _lowered(variant, T)
     calls = LIBRARY_CALL.findall(text)
-    launch = plan.make(16, T, 8, 7168, **PRODUCTION, variant=variant).launch
+    launch = plan.make(16, T, 8, 7168, **PRODUCTION, variant=variant, clusters=True).launch
     assert len(calls) == 1, text[:3000]
     assert re.search(r"%arg1: tensor<\d+x7168xbf16> \{tf\.aliasing_output = 0", text), "the donated prefix"
     ((name, operands),) = calls
@@ -482,10 +516,12 @@ def test_library_lowering_names_a_stored_cubin_and_its_parameters(library_cache,
     assert path.parent == library_cache and hashlib.sha256(image).hexdigest()[:24] in path.name
     assert image[:4] == b"\x7fELF", "a cubin"
     assert attrs["entry"] == launch.kernel
-    assert attrs["block"] == (32 * launch.num_warps, 1, 1) and attrs["cluster"] == (0, 0, 0)
+    assert attrs["block"] == (32 * launch.num_warps, 1, 1)
+    assert attrs["cluster"] == ((launch.cluster, 1, 1) if launch.cluster else (0, 0, 0))
+    assert launch.cluster == {None: 7 if T <= 64 else 0, "sync-2048-w8-cluster": 4}.get(variant, 0), "sm_90: clusters"
     assert attrs["grid"] == (*launch.grid, 1, 1)[:3]
     n_in = operands.count("%")
-    zeroed = launch.kernel == "sync_kernel"
+    zeroed = launch.kernel == "sync_kernel" and not launch.cluster
     n_arrays = n_in - zeroed
     params = attrs["params"]
     B = ffi_launch.buffer
@@ -493,7 +529,7 @@ def test_library_lowering_names_a_stored_cubin_and_its_parameters(library_cache,
     results = params[n_arrays:-2]
     assert results == [B(i) for i in range(n_in, n_in + len(results))], params
     # PDL (sm_90 here) for the sync kernel, the one that waits for the grid ahead
-    assert attrs["pdl"] is zeroed
+    assert attrs["pdl"] is (launch.kernel == "sync_kernel")
     if zeroed:  # the counters: the last result, read in place from the zeros operand
         assert inplace_pairs(call) == [(n_arrays, len(results) - 1)]
         assert f"output_tuple_indices = [{len(results) - 1}], operand_index = {n_arrays}," in text
@@ -555,6 +591,22 @@ def test_unavailable_reasons_name_what_is_missing():
 # ---- the plan ---------------------------------------------------------------------------------
 
 
+def test_default_rule_with_clusters():
+    """Where the launch uses clusters: sync-1024-w4-cluster up to 64 tokens (7 programs a token at the
+    production H), sync-2048-w8-cluster where H needs more than 8 programs of 1024 columns, the rule
+    without clusters past either bound."""
+    by_t = [plan.default_variant(t, 7168, clusters=True) for t in (1, 8, 64, 65, 4096)]
+    assert by_t == ["sync-1024-w4-cluster"] * 3 + ["sync-1024-w4-reload-r64"] * 2
+    assert plan.default_variant(1, 8192, clusters=True) == "sync-1024-w4-cluster"  # 8 programs
+    assert plan.default_variant(1, 8193, clusters=True) == "sync-2048-w8-cluster"
+    assert plan.default_variant(1, 16385, clusters=True) == plan.default_variant(1, 16385) == "sync-1024-w4"
+    assert plan.CLUSTER_CAPABILITIES == {90}
+    for T in (1, 8, 64):
+        for H in (256, 7168, 8193, 16384):
+            launch = plan.make(16, T, 8, H, **PRODUCTION, clusters=True).launch
+            assert launch.cluster == -(-H // plan.VARIANTS[plan.default_variant(T, H, True)].block) <= plan.CLUSTER_MAX
+
+
 def test_default_rule_by_tokens():
     assert [plan.default_variant(t, 7168) for t in (1, 8, 9, 64, 65, 512, 513, 4096)] == [
         "sync-256-w1",
@@ -579,7 +631,8 @@ def test_default_rule_by_tokens():
             plan.make(16, T, 8, H, **PRODUCTION, variant=plan.default_variant(T, H))
     assert all(plan.VARIANTS[name].name == name for name in plan.VARIANTS)
     # every configuration is one the rule takes at some shape
-    taken = {plan.default_variant(T, H) for T in (1, 64, 512, 65536) for H in (7168, 16384, 16896, 32769, 65537)}
+    shapes = [(T, H) for T in (1, 64, 512, 65536) for H in (7168, 16384, 16896, 32769, 65537)]
+    taken = {plan.default_variant(T, H, clusters) for T, H in shapes for clusters in (False, True)}
     assert taken == set(plan.VARIANTS)
 
 
@@ -615,6 +668,11 @@ def test_plan_refuses_unknown_and_oversized_variants():
     ):
         plan.make(16, 65536, 8, 7168, **PRODUCTION, variant="sync-1024-w4")
     assert plan.make(16, 65535, 8, 7168, **PRODUCTION, variant="sync-1024-w4").launch.grid == (7, 65535)
+    with pytest.raises(ValueError, match=r"variant: 'sync-1024-w4-cluster' runs in thread block clusters, .* 9\.0"):
+        plan.make(16, 3, 8, 7168, **PRODUCTION, variant="sync-1024-w4-cluster")  # clusters=False: jax-triton, sm_80
+    with pytest.raises(ValueError, match=r"'sync-1024-w4-cluster' runs H / 1024 programs per token in one cluster"):
+        plan.make(16, 3, 8, 9216, **PRODUCTION, variant="sync-1024-w4-cluster", clusters=True)  # 9 programs
+    assert plan.make(16, 3, 8, 8192, **PRODUCTION, variant="sync-1024-w4-cluster", clusters=True).launch.cluster == 8
     assert "R <= 64" in plan.unsupported_reason(65) and plan.unsupported_reason(16) is None
 
 

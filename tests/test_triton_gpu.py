@@ -138,11 +138,12 @@ def test_donated_prefix_is_updated_in_place(triton_gpu, variant, T, launch):
 
 
 @pytest.mark.parametrize(
-    ("config", "variant"), [(Config(configs.TP, 3, 8), None), (Config(2, 64, 1, groups=3), "row-w16")]
+    ("config", "variant"), [(Config(configs.TP, 3, 8), "sync-256-w1"), (Config(2, 64, 1, groups=3), "row-w16")]
 )
 def test_jax_triton_launch_gives_the_bits_of_the_library_launch(triton_gpu, config, variant):
-    """Both JAX launches run the same kernel (jax_triton's PTX, or Triton's cubin of it): the
-    same bits."""
+    """Both JAX launches of one configuration run the same kernel (jax_triton's PTX, or Triton's
+    cubin of it): the same bits. (Their defaults differ at small T on an H200: the library launches
+    a cluster configuration, jax-triton, which sets no clusters, its rule without them.)"""
     arrays, options = inputs(config)
     args = [jax.device_put(arrays[k], triton_gpu) for k in ARGS]
     library, jax_triton = (
@@ -150,6 +151,24 @@ def test_jax_triton_launch_gives_the_bits_of_the_library_launch(triton_gpu, conf
     )
     for name, a, b in zip(("prefix", "output"), library, jax_triton):
         testing.assert_same_bits(np.asarray(a), np.asarray(b), f"{config.name} {name}: library vs jax_triton")
+
+
+@pytest.mark.parametrize("variant", [v.name for v in plan.CLUSTERED])
+@pytest.mark.parametrize("T", [1, 64])
+def test_cluster_configuration_gives_the_bits_of_its_counterpart(triton_gpu, variant, T):
+    """A sync configuration launched in thread block clusters (its programs meet at the cluster's
+    barrier) gives the bits of the same configuration meeting at arrival counters, from JAX and
+    from PyTorch (each launch twice: nothing is left behind between calls)."""
+    config = Config(configs.TP, T, 8, xmoe_replicas=1)
+    arrays, options = inputs(config)
+    counterpart = variant.removesuffix("-cluster")
+    assert counterpart in plan.VARIANTS and not plan.VARIANTS[counterpart].cluster
+    want = run_jax(arrays, options, counterpart, triton_gpu)
+    for launch in (run_jax, run_jax, run_torch, run_torch):
+        args = (triton_gpu,) if launch is run_jax else ()
+        got = launch(arrays, options, variant, *args)
+        for name, a, b in zip(("prefix", "output", "xmoe"), got, want):
+            testing.assert_same_bits(a, b, f"T={T} seed={SEED} {launch.__name__} {variant} {name} vs {counterpart}")
 
 
 def test_registry_call_under_jit(triton_gpu):
@@ -160,7 +179,7 @@ def test_registry_call_under_jit(triton_gpu):
     testing.check_result(config, arrays, result, **EPS, what=f"seed={SEED}")
 
 
-@pytest.mark.parametrize("variant", [None, "row-w16", "tile-512-w8"])
+@pytest.mark.parametrize("variant", [None, "row-w16", "tile-512-w8", "sync-1024-w4-cluster"])
 def test_torch_launch_replays_in_a_cuda_graph(triton_gpu, variant):
     """Captured once, replayed on new inputs copied into the captured buffers: the same bits as
     an eager launch on those inputs (sync: its counters' zeroing is captured with it)."""
@@ -190,7 +209,7 @@ def test_torch_launch_replays_in_a_cuda_graph(triton_gpu, variant):
         testing.assert_same_bits(torch_ref.to_numpy(a), torch_ref.to_numpy(b), f"{name}: graph replay vs eager")
 
 
-@pytest.mark.parametrize("T", [8, 64, 80])  # the default rule's three sync variants
+@pytest.mark.parametrize("T", [8, 64, 80])  # the three configurations of the rule without clusters
 def test_kept_counters_and_pdl_give_the_bits_of_zeroed_counters(triton_gpu, T):
     """Three dependent calls (the prefix threaded through) with one set of arrival counters kept
     across them and PDL launches, eager and replayed twice from a CUDA graph, give the bits of
@@ -206,10 +225,14 @@ def test_kept_counters_and_pdl_give_the_bits_of_zeroed_counters(triton_gpu, T):
     weights = [torch_ref.from_numpy(arrays[k]).cuda() for k in ARGS[2:]]
     first = torch_ref.from_numpy(arrays["prefix"]).cuda()
 
+    variant = plan.default_variant(T, configs.HIDDEN)  # clusters=False: arrival counters
+
     def steps(prefix, **how):
         outs = []
         for mailbox in mailboxes:
-            prefix, output, xmoe = torch_launch.consumer(mailbox, prefix, *weights, **EPS, **options, **how)
+            prefix, output, xmoe = torch_launch.consumer(
+                mailbox, prefix, *weights, **EPS, **options, variant=variant, **how
+            )
             outs += [prefix.clone(), output, xmoe]
         return outs
 
@@ -253,7 +276,9 @@ _COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
     sets = [configs.make_inputs(config, seed + k) for k in (0, 1)]
     args = [[jax.device_put(x[k]) for k in names] for x in sets]
     runs = {}
-    for fn in (chain("tile-512-w8", "tile_steps"), chain("row-w16", "row_steps"), chain(None, "sync_steps")):
+    chains = [chain("tile-512-w8", "tile_steps"), chain("row-w16", "row_steps"), chain(None, "sync_steps")]
+    chains += [] if jax_triton else [chain("sync-2048-w8-cluster", "cluster_steps")]  # jax-triton sets no clusters
+    for fn in chains:
         jitted = jax.jit(fn)
         # Alternating input sets: new buffer addresses each execution (graph updates, not re-records).
         runs[fn.__name__] = [[np.asarray(v).view(np.uint16) for v in jitted(x[0], y[0], *x[1:])]
@@ -267,7 +292,8 @@ def test_xla_command_buffer_thunk_dump(triton_gpu, tmp_path, launch):
     """Checks XLA's thunk dump: two chained consumer calls under jax.jit run inside a command
     buffer (CUDA graph), every kernel launch a custom call nested in it (1 per call); executions
     alternating two input sets are exact (sync: its arrival counters zeroed in each call of each
-    replay).
+    replay; a cluster configuration, through the package's target only: launched in clusters
+    from the graph too).
 
     XLA records a custom call into a command buffer only if its FFI handler says it may: the
     package's target does; jax-triton 0.3.1's triton_call lowers to the legacy
@@ -301,6 +327,7 @@ def test_xla_command_buffer_thunk_dump(triton_gpu, tmp_path, launch):
     counts = {m: testing.custom_calls_in_command_buffers(testing.thunk_sequence(dump, m)) for m in runs}
     if launch == "jax_triton" and not any(counts.values()):
         pytest.xfail(f"the legacy triton_kernel_call custom calls run outside XLA's command buffers: {counts}")
-    assert counts == {"tile_steps": 2, "row_steps": 2, "sync_steps": 2}, testing.thunk_sequence(dump, "tile_steps")[
-        :3000
-    ]
+    expected = {"tile_steps": 2, "row_steps": 2, "sync_steps": 2} | (
+        {"cluster_steps": 2} if launch == "library" else {}
+    )
+    assert counts == expected, testing.thunk_sequence(dump, "tile_steps")[:3000]

@@ -3,7 +3,9 @@
 Each launch is one custom call, the prefix aliased input to output (`input_output_aliases`), so
 a jitted caller that donates `prefix` has it updated in place; the sync kernel's programs pass
 their chunks' dot products to each other in an f32 scratch output, with int32 arrival counters
-that start at zero in every call (a zeros operand XLA fills). Through the package's target on
+that start at zero in every call (a zeros operand XLA fills); at small T on the GPUs of
+plan.CLUSTER_CAPABILITIES a token's programs form one thread block cluster and meet at its
+barrier instead (no counters). Through the package's target on
 sm_90 and newer the sync kernel is launched with programmatic dependent launch (a PDL edge in
 XLA's graph).
 The same plan.Plan as torch_launch.py: a JAX call and a PyTorch call of one shape compile the
@@ -105,10 +107,11 @@ def launch(
     tests. `pdl`: the sync kernel launched with programmatic dependent launch; None: through the
     package's target on sm_90 or newer (jax-triton's launch has no such option)."""
     R, T, H = mailbox.shape
-    can = not jax_triton and library.capability(compute_capability) >= launch_plan.PDL_MIN_CAPABILITY
+    cc = 0 if jax_triton else library.capability(compute_capability)
     needs = f"the package's launch target (not jax_triton) on compute capability >= {launch_plan.PDL_MIN_CAPABILITY}"
-    pdl = launch_plan.use_pdl(pdl, can, needs)
-    plan = launch_plan.make(R, T, blocks.shape[1], H, **options, variant=variant, pdl=pdl)
+    pdl = launch_plan.use_pdl(pdl, cc >= launch_plan.PDL_MIN_CAPABILITY, needs)
+    clusters = cc in launch_plan.CLUSTER_CAPABILITIES  # jax-triton's launch sets no clusters
+    plan = launch_plan.make(R, T, blocks.shape[1], H, **options, variant=variant, pdl=pdl, clusters=clusters)
     new_prefix, output, xmoe = _call(plan, compute_capability, bool(jax_triton))(
         mailbox, prefix, blocks, norm, query, out_norm
     )
@@ -166,10 +169,13 @@ def _call(plan: launch_plan.Plan, compute_capability: int | None, jax_triton: bo
         xmoe = jax.ShapeDtypeStruct((reps, T, H) if reps else (1,), jnp.bfloat16)
         blocks = blocks if blocks.shape[1] else norm
         arrays = (mailbox, prefix, blocks, norm, query, out_norm)
-        if plan.arrivals_shape is None:  # row, tile: one program per token
+        if plan.stats_shape is None:  # row, tile: one program per token
             return lower(plan.launch, arrays, (rows, rows, xmoe), {1: 0}, (), compute_capability)
-        # sync: its scratch, and its arrival counters zeroed by the launch (last: the one output zeroed)
         stats = jax.ShapeDtypeStruct(plan.stats_shape, jnp.float32)
+        if plan.arrivals_shape is None:  # sync-*-cluster: no counters; one int32 for the pointer it never reads
+            unused = jax.ShapeDtypeStruct((1,), jnp.int32)
+            return lower(plan.launch, arrays, (rows, rows, xmoe, stats, unused), {1: 0}, (), compute_capability)[:3]
+        # sync: its scratch, and its arrival counters zeroed by the launch (last: the one output zeroed)
         arrivals = jax.ShapeDtypeStruct(plan.arrivals_shape, jnp.int32)
         outs = (rows, rows, xmoe, stats, arrivals)
         return lower(plan.launch, arrays, outs, {1: 0}, (len(outs) - 1,), compute_capability)[:3]

@@ -14,7 +14,9 @@ constexpr. Offsets are int64 (R * T * H overflows int32 at large T).
   sync_kernel        grid (C, T): C programs per token in one launch, meeting at two barriers
                      in global memory (arrival counters, zero at launch and left at zero): after the dot
                      products and squares of their chunks (for the weights), after y.y (for
-                     the output scale); each keeps its blocks and prefix in registers.
+                     the output scale); each keeps its blocks and prefix in registers. With
+                     CLUSTER, launched in thread block clusters of its C programs, they meet
+                     at the cluster's barrier instead (no counters).
 
 Which kernel runs, and its launch parameters: plan.py.
 
@@ -333,6 +335,24 @@ def tile_kernel(
 
 
 @triton.jit
+def _cluster_barrier():
+    """The barrier of a launch whose token's programs form one thread block cluster (sm_90 and
+    newer): every thread arrives, releasing its earlier stores at cluster scope, and waits for
+    all of the cluster's, acquiring theirs; no counter, nothing left behind. bar.sync around it
+    keeps the compiler from moving memory accesses across it."""
+    tl.debug_barrier()
+    tl.inline_asm_elementwise(
+        "barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n\tmov.u32 $0, 0;",
+        "=r",
+        [],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+    tl.debug_barrier()
+
+
+@triton.jit
 def _arrive_and_wait(counter, CHUNKS: tl.constexpr, POLLS: tl.constexpr):
     """Counts this program in at `counter` and returns once all CHUNKS programs of the token
     have; past POLLS polls, or on a counter that was not zero at launch, the kernel traps (a
@@ -454,6 +474,7 @@ def sync_kernel(
     PHASE: tl.constexpr,
     RELOAD: tl.constexpr,
     PDL: tl.constexpr,
+    CLUSTER: tl.constexpr,
 ):
     """Grid (C, T): chunk c of token t, its blocks as a [ROWS, BLOCK] tile and its new prefix p
     held in registers throughout (RELOAD: the blocks read again after barrier 1 instead).
@@ -466,7 +487,8 @@ def sync_kernel(
     launches, for Triton's interpreter (it runs one program after another, so cannot run a
     barrier): 2 and 3 read p back from the stored prefix, 3 recomputes y (the same operations
     on the same values, so the same bits). PDL: launched with programmatic dependent launch
-    (sm_90 or newer)."""
+    (sm_90 or newer). CLUSTER: a token's C programs launched as one thread block cluster, which
+    meet at the cluster's barrier instead (`arrivals` unused): the same arithmetic, the same bits."""
     if PDL:
         # The grid may start before the kernel ahead of it on the stream has finished; every read
         # waits for that kernel's end (its writes then visible), so only the launch overlaps.
@@ -503,7 +525,10 @@ def sync_kernel(
     else:
         p = _widen(tl.load(prefix_out + t * H + offs, mask=mask, other=0.0))
     if PHASE == 0:
-        _arrive_and_wait(arrivals + 2 * t, CHUNKS, POLLS)
+        if CLUSTER:
+            _cluster_barrier()
+        else:
+            _arrive_and_wait(arrivals + 2 * t, CHUNKS, POLLS)
     if PHASE != 1:
         if NB == 0:
             y = p  # one source: its weight is exactly 1 (docs/spec.md)
@@ -518,7 +543,10 @@ def sync_kernel(
     if PHASE == 0 or PHASE == 2:
         tl.store(record + 2 * ROWS + 2, tl.sum(y * y, axis=0))
     if PHASE == 0:
-        _arrive_and_wait(arrivals + 2 * t + 1, CHUNKS, POLLS)
+        if CLUSTER:
+            _cluster_barrier()
+        else:
+            _arrive_and_wait(arrivals + 2 * t + 1, CHUNKS, POLLS)
     if PHASE == 0 or PHASE == 3:
         lane = 2 * ROWS + 2 + tl.arange(0, 1)
         yy = tl.sum(_token_sum(stats, t, lane, lane >= 0, CHUNKS, SPAN, RECORD), axis=0)

@@ -10,7 +10,7 @@ launch shape; the C++ side loads it once per CUDA context.
 The launch's parameters (cute/launch.py) are the kernel's pointers in Triton's order: the
 operands, then the results (the kernels of kernel.py have no runtime scalars), then the null
 pointers Triton appends for its global and profile scratch (refused here if a kernel needs
-either); no thread block clusters. A result
+either); thread block clusters where the plan's launch has them (sync-*-cluster). A result
 the kernel reads as passed in (the sync kernels' arrival counters, which must start at zero)
 is given as an extra zeros operand aliased to it: XLA zeroes it inside its graph, and the
 handler copies it over when XLA did not alias the two.
@@ -128,7 +128,7 @@ def lower(launch: launch_plan.Launch, arrays, out_shape, aliases, zeroed, comput
         image.entry,
         grid=(*launch.grid, 1, 1)[:3],
         block=(image.block, 1, 1),
-        cluster=ffi_launch.NO_CLUSTER,
+        cluster=(launch.cluster, 1, 1) if launch.cluster else ffi_launch.NO_CLUSTER,
         smem=image.smem,
         pdl=bool(launch.pdl),
         params=tuple(params),

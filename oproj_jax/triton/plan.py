@@ -14,6 +14,10 @@ Configurations (kernel.py has the kernels), named kind-columns-warps:
                   T <= SYNC_MAX_TOKENS (the grid's second axis).
                   Triton's interpreter runs it as three launches, the stretches between the
                   barriers.
+  sync-*-cluster  the same, a token's programs launched as one thread block cluster (on
+                  CLUSTER_CAPABILITIES, C <= CLUSTER_MAX), meeting at the cluster's barrier: no
+                  arrival counters, nothing zeroed, the same bits as its counterpart without
+                  clusters; the default up to CLUSTER_MAX_TOKENS tokens there.
   sync-*-reload   the same, but the blocks are read again after the first barrier (from L1 or
                   L2, where the first read left them) instead of held in registers across it:
                   fewer registers a thread, more programs per SM.
@@ -50,6 +54,13 @@ SYNC_POLLS = 1 << 24
 # sync: the tokens are the grid's second axis (the chunks the first, so that a token's programs
 # are dispatched together), which CUDA bounds at 65535.
 SYNC_MAX_TOKENS = 65535
+# sync-*-cluster: a token's programs form one thread block cluster; 8 is the portable bound (16 needs
+# the non-portable attribute, which Triton's own launcher sets only for 16)
+CLUSTER_MAX = 8
+# Where the launchers use the cluster configurations (thread block clusters and barrier.cluster are
+# sm_90 PTX): the compute capabilities they are measured on; other GPUs keep the arrival counters
+# until the cluster configurations have run there.
+CLUSTER_CAPABILITIES = frozenset({90})
 NUM_STAGES = 1  # no software-pipelined loops in these kernels
 # No FMA contraction anywhere: the prefix path is adds only, and with contraction off the PTX
 # carries .rn on every f32 mul/add, so the CUDA driver's JIT (JAX) and ptxas (PyTorch) emit the
@@ -66,11 +77,13 @@ class Variant:
     num_warps: int
     reload: bool = False  # sync: the blocks read again after the first barrier, not held in registers
     max_registers: int | None = None  # a thread's register cap (ptxas .maxnreg): more programs per SM
+    cluster: bool = False  # sync: a token's programs in one thread block cluster, its barrier theirs
 
     @property
     def name(self) -> str:
         parts = [self.kind, *(str(n) for n in (self.block or self.sub,) if n), f"w{self.num_warps}"]
         parts += ["reload"] if self.reload else []
+        parts += ["cluster"] if self.cluster else []
         return "-".join(parts + ([f"r{self.max_registers}"] if self.max_registers else []))
 
 
@@ -97,13 +110,25 @@ ROW = Variant("row", 0, 0, 16)  # the row in registers: 16 warps, 110 registers 
 WIDE_ROW = Variant("tile", 0, 512, 8)  # ROW's place where H > ROW_MAX_H: two passes over tiles, few registers
 # Every configuration the rule takes, by name. The launchers' `variant` parameter names one in place of the
 # rule's choice: the tests need it to run the row and tile kernels and the other sync configurations.
-VARIANTS = {v.name: v for v in (*(v for _, v in BY_TOKENS), *WIDER_SYNC, ROW, WIDE_ROW)}
+# Where the launch can use thread block clusters (CLUSTER_CAPABILITIES): up to CLUSTER_MAX_TOKENS tokens the
+# first of these that fits H (7 and 4 programs a token at H = 7168), else the rule above. The cluster's
+# barrier saves 1.0-1.2 µs against the same configuration's counters at T <= 64 (7 programs: 5.21 / 6.22 /
+# 10.80 µs at T = 1 / 8 / 64 against 6.25 / 7.24 / 12.04), and sync-1024-w4-cluster beats BY_TOKENS's choices
+# there (docs/perf.md, "The Triton kernel").
+CLUSTER_MAX_TOKENS = 64
+CLUSTERED = (Variant("sync", 1024, 0, 4, cluster=True), Variant("sync", 2048, 0, 8, cluster=True))
+VARIANTS = {v.name: v for v in (*(v for _, v in BY_TOKENS), *WIDER_SYNC, ROW, WIDE_ROW, *CLUSTERED)}
 
 
-def default_variant(T: int, H: int) -> str:
-    """The configuration the launchers take for T tokens of hidden size H: BY_TOKENS's; past its
-    bounds the first of WIDER_SYNC that fits, else ROW (WIDE_ROW where H is too wide for a row in
-    registers)."""
+def default_variant(T: int, H: int, clusters: bool = False) -> str:
+    """The configuration the launchers take for T tokens of hidden size H: with `clusters` (the
+    launch can use them) and T <= CLUSTER_MAX_TOKENS the first of CLUSTERED that fits; else
+    BY_TOKENS's; past its bounds the first of WIDER_SYNC that fits, else ROW (WIDE_ROW where H is
+    too wide for a row in registers)."""
+    if clusters and T <= CLUSTER_MAX_TOKENS:
+        fits = [v for v in CLUSTERED if not _sync_limit(v, T, H)]
+        if fits:
+            return fits[0].name
     chosen = next(variant for bound, variant in BY_TOKENS if T <= bound)
     if _sync_limit(chosen, T, H):
         fits = [v for v in WIDER_SYNC if v.block > chosen.block and not _sync_limit(v, T, H)]
@@ -113,6 +138,11 @@ def default_variant(T: int, H: int) -> str:
 
 def _sync_limit(chosen: Variant, T: int, H: int) -> str | None:
     """Why the sync configuration `chosen` cannot run T tokens of H, or None."""
+    if chosen.cluster and -(-H // chosen.block) > CLUSTER_MAX:
+        return (
+            f"runs H / {chosen.block} programs per token in one cluster, at most {CLUSTER_MAX}: "
+            f"H <= {CLUSTER_MAX * chosen.block}; got H={H} (take a wider one)"
+        )
     if -(-H // chosen.block) > SYNC_MAX_CHUNKS:
         return (
             f"runs H / {chosen.block} programs per token that wait for each other, at most {SYNC_MAX_CHUNKS}: "
@@ -123,15 +153,22 @@ def _sync_limit(chosen: Variant, T: int, H: int) -> str | None:
     return None
 
 
-def choose(variant: str | None, T: int, H: int) -> Variant:
-    """The named configuration (None: default_variant's), or a ValueError naming `variant`."""
-    name = default_variant(T, H) if variant is None else variant
+def choose(variant: str | None, T: int, H: int, clusters: bool = False) -> Variant:
+    """The named configuration (None: default_variant's), or a ValueError naming `variant`.
+    `clusters`: whether the launch can use thread block clusters."""
+    name = default_variant(T, H, clusters) if variant is None else variant
     if name not in VARIANTS:
         raise ValueError(f"variant: expected None or one of {sorted(VARIANTS)}, got {variant!r}")
     chosen = VARIANTS[name]
     if chosen.kind == "row" and H > ROW_MAX_H:
         raise ValueError(
             f"variant: {name!r} holds a row in registers, H <= {ROW_MAX_H}; got H={H} (take {WIDE_ROW.name!r})"
+        )
+    if chosen.cluster and not clusters:
+        raise ValueError(
+            f"variant: {name!r} runs in thread block clusters, which the launchers use on compute capability "
+            f"{', '.join(f'{c // 10}.{c % 10}' for c in sorted(CLUSTER_CAPABILITIES))} (the package's launch or "
+            "the PyTorch launch, not jax_triton); take the configuration without '-cluster'"
         )
     limit = _sync_limit(chosen, T, H) if chosen.kind == "sync" else None
     if limit:
@@ -165,6 +202,7 @@ class Launch:
     num_warps: int
     max_registers: int | None = None
     pdl: bool = False  # launched with programmatic dependent launch (the kernel waits: its PDL constexpr)
+    cluster: int = 0  # programs per thread block cluster along the grid's first axis; 0: no clusters
 
     def options(self) -> dict:
         """The compile options both launchers pass (their defaults differ otherwise)."""
@@ -179,16 +217,17 @@ class Plan:
     launch: Launch  # a call is one launch
     stats_shape: tuple[int, ...] | None = None  # sync: the f32 scratch [T, C, record] its programs meet in
     arrivals_shape: tuple[int, ...] | None = None  # sync: its barriers' int32 counters [T, 2], zero at launch
+    # (sync-*-cluster: none; the kernel's `arrivals` pointer is then a placeholder it never reads)
 
     def stages(self) -> tuple[Launch, ...]:
         """The launch as Triton's interpreter runs it: sync as the stretches between its
         barriers, one launch each (PHASE 1, 2, 3; no PDL there); otherwise the launch itself."""
-        if self.arrivals_shape is None:
+        if self.launch.kernel != "sync_kernel":
             return (self.launch,)
-        constexprs = dict(self.launch.constexprs, PDL=False)
+        constexprs = dict(self.launch.constexprs, PDL=False, CLUSTER=False)
         return tuple(
             dataclasses.replace(
-                self.launch, constexprs=tuple(sorted({**constexprs, "PHASE": phase}.items())), pdl=False
+                self.launch, constexprs=tuple(sorted({**constexprs, "PHASE": phase}.items())), pdl=False, cluster=0
             )
             for phase in (1, 2, 3)
         )
@@ -208,12 +247,16 @@ def make(
     xmoe_replicas: int,
     variant: str | None = None,
     pdl: bool = False,
+    clusters: bool = False,
 ) -> Plan:
     """The launch of one call (arguments already checked, api.check_arguments). `variant`: a
     name of VARIANTS in place of default_variant's (for the tests). `pdl`: launch the sync kernel
     with programmatic dependent launch (only for a GPU of PDL_MIN_CAPABILITY or newer; the other
-    kernels are launched without)."""
-    chosen = choose(variant, T, H)
+    kernels are launched without). `clusters`: the launch uses thread block clusters (a GPU of
+    CLUSTER_CAPABILITIES through the package's launch or the PyTorch launch, or Triton's
+    interpreter, which runs the sync kernel's stretches as launches of their own): the default
+    takes a cluster configuration at small T, and only then may `variant` name one."""
+    chosen = choose(variant, T, H, clusters)
     shared = dict(R=R, NB=NB, H=H, GROUPS=groups, HAS_DELTA=bool(has_delta))
     shared |= dict(REPS=xmoe_replicas, EPS=float(eps), OUT_EPS=float(out_eps))
     launch = lambda kernel, grid, constexprs, pdl=False: Launch(  # noqa: E731
@@ -228,9 +271,13 @@ def make(
     # tile); kernel.sync_kernel's record has 2 * rows + 3 lanes
     rows = max(2, _pow2(NB))
     span = dict(BLOCK=chosen.block, ROWS=rows, CHUNKS=chunks, SPAN=_pow2(chunks))
-    whole = dict(shared, **span, POLLS=SYNC_POLLS, PHASE=0, RELOAD=chosen.reload, PDL=bool(pdl))
-    scratch = dict(stats_shape=(T, chunks, 2 * rows + 3), arrivals_shape=(T, 2))
-    return Plan(chosen, launch("sync_kernel", (chunks, T), whole, bool(pdl)), **scratch)
+    whole = dict(shared, **span, POLLS=SYNC_POLLS, PHASE=0, RELOAD=chosen.reload, PDL=bool(pdl), CLUSTER=chosen.cluster)
+    kernel = dataclasses.replace(
+        launch("sync_kernel", (chunks, T), whole, bool(pdl)), cluster=chunks if chosen.cluster else 0
+    )
+    return Plan(
+        chosen, kernel, stats_shape=(T, chunks, 2 * rows + 3), arrivals_shape=None if chosen.cluster else (T, 2)
+    )
 
 
 def repair_cache_dir() -> None:

@@ -5,7 +5,9 @@
 
 `prefix` is updated in place (and returned); output and xmoe are new tensors. One launch on the
 current stream (the sync kernel's after zeroing its arrival counters, unless the caller keeps
-them: `arrivals`), no host synchronization: the call can be captured in a CUDA graph. On sm_90
+them: `arrivals`; none at small T on an H100/H200, where a token's programs form one thread block
+cluster and meet at its barrier), no host synchronization: the call can be captured in a CUDA
+graph. On sm_90
 and newer the sync kernel is launched with programmatic dependent launch, so in a CUDA graph of
 consecutive calls each launch overlaps the end of the one before. With TRITON_INTERPRET=1 in the
 environment before kernel.py is imported, the kernels run in Triton's interpreter on CPU tensors
@@ -123,7 +125,8 @@ def consumer(
     if arrivals is not None:
         _check_arrivals(torch, arrivals, T, mailbox.device)
     pdl = _use_pdl(torch, mailbox.device, pdl)
-    plan = launch_plan.make(R, T, NB, H, **options.asdict(), variant=variant, pdl=pdl)
+    clusters = _has_clusters(torch, mailbox.device)
+    plan = launch_plan.make(R, T, NB, H, **options.asdict(), variant=variant, pdl=pdl, clusters=clusters)
     _check_launchable(torch, named)
     output = torch.empty_like(prefix)
     xmoe = (
@@ -137,12 +140,15 @@ def consumer(
     xmoe_arg = output if xmoe is None else xmoe
     with torch.cuda.device(prefix.device) if prefix.device.type == "cuda" else contextlib.nullcontext():
         arrays = (mailbox, prefix, blocks_arg, norm, query, out_norm, prefix, output, xmoe_arg)
-        if plan.arrivals_shape is not None:  # sync: its scratch and arrival counters
-            stats = torch.empty(plan.stats_shape, dtype=torch.float32, device=prefix.device)
+        if plan.stats_shape is not None:  # sync: its scratch
+            arrays += (torch.empty(plan.stats_shape, dtype=torch.float32, device=prefix.device),)
+        if plan.arrivals_shape is None and plan.stats_shape is not None:  # sync-*-cluster: no counters
+            arrays += (torch.empty(1, dtype=torch.int32, device=prefix.device),)  # a pointer it never reads
+        if plan.arrivals_shape is not None:  # sync: its arrival counters
             if arrivals is None:
                 arrivals = torch.zeros(plan.arrivals_shape, dtype=torch.int32, device=prefix.device)
-            arrays += (stats, arrivals)
-        for launch in plan.stages() if interpreted() else (plan.launch,):  # interpreted sync: one per barrier stretch
+            arrays += (arrivals,)
+        for launch in plan.stages() if interpreted() else (plan.launch,):  # interpreted: one per barrier stretch
             _run(launch, *arrays)
     return TorchResult(prefix, output, xmoe)
 
@@ -155,6 +161,56 @@ def _use_pdl(torch, device, pdl: bool | None) -> bool:
     return launch_plan.use_pdl(pdl, capable, needs)
 
 
+def _has_clusters(torch, device) -> bool:
+    """Whether the launch uses thread block clusters: a CUDA GPU of plan.CLUSTER_CAPABILITIES, or
+    Triton's interpreter (which runs the sync kernel's stretches between barriers as launches of
+    their own)."""
+    if interpreted():
+        return True
+    if device.type != "cuda":
+        return False
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor in launch_plan.CLUSTER_CAPABILITIES
+
+
 def _run(launch: launch_plan.Launch, *tensors) -> None:
     launch_plan.repair_cache_dir()
-    getattr(kernel, launch.kernel)[launch.grid](*tensors, **dict(launch.constexprs), **launch.options())
+    fn = getattr(kernel, launch.kernel)
+    if not launch.cluster:
+        fn[launch.grid](*tensors, **dict(launch.constexprs), **launch.options())
+        return
+    _run_clustered(fn, launch, tensors)
+
+
+def _run_clustered(fn, launch: launch_plan.Launch, tensors) -> None:
+    """`launch` in clusters of launch.cluster programs along the grid's first axis, through
+    Triton's own launcher: Triton (3.6) sets a launch's cluster shape from the num_ctas of the
+    compiled kernel's metadata, which would also make the compiler split each program over that
+    many CTAs; so the kernel is compiled as one CTA per program (num_ctas=1) and launched with
+    metadata that names the cluster (gridX clusters of launch.cluster CTAs each)."""
+    import torch
+
+    constexprs = dict(launch.constexprs)
+    compiled = fn.warmup(*tensors, grid=launch.grid, **constexprs, **launch.options())
+    num_warps, num_ctas, shared = compiled.packed_metadata
+    if num_ctas != 1:
+        raise RuntimeError(f"{launch.kernel}: compiled for {num_ctas} CTAs per program, expected 1")
+    args = iter(tensors)
+    values = [constexprs[name] if name in constexprs else next(args) for name in fn.arg_names]
+    gx, gy, gz = (*launch.grid, 1, 1)[:3]
+    if gx % launch.cluster:
+        raise ValueError(f"{launch.kernel}: grid {launch.grid} is not whole clusters of {launch.cluster}")
+    stream = torch.cuda.current_stream().cuda_stream
+    launcher = compiled.run  # loads the module: compiled.function is set from here on
+    launcher(
+        gx // launch.cluster,
+        gy,
+        gz,
+        stream,
+        compiled.function,
+        (num_warps, launch.cluster, shared),
+        None,
+        None,
+        None,
+        *values,
+    )
