@@ -240,7 +240,8 @@ def measure(args, module: str, common: list[str]) -> tuple[list, list, dict]:
     decode_runs = []
     for i in range(args.decode_processes if args.decode_tokens else 0):
         decode_args = ["--decode-step", "--backends", args.decode_backends or args.backends]
-        records, log = bench([*decode_args, "--tokens", args.decode_tokens, "--reps", "30"], args.timeout)
+        decode_args += ["--mailboxes", args.decode_mailboxes, "--tokens", args.decode_tokens, "--reps", "30"]
+        records, log = bench(decode_args, args.decode_timeout or args.timeout)
         decode_runs.append(records)
         logs[f"decode step {i}"] = log[-6000:]
     return runs, decode_runs, logs
@@ -275,6 +276,12 @@ def main(argv=None) -> int:
     parser.add_argument("--decode-tokens", default="1,64")
     parser.add_argument("--decode-backends", default=None, help="the decode step's backends (default: --backends)")
     parser.add_argument("--decode-processes", type=int, default=3, help="processes timing the decode step")
+    parser.add_argument(
+        "--decode-mailboxes", default="carried,concat", help="the decode step's mailbox forms (bench --mailboxes)"
+    )
+    parser.add_argument(
+        "--decode-timeout", type=float, default=None, help="seconds per decode process (default --timeout)"
+    )
     parser.add_argument("--timeout", type=float, default=200.0, help="seconds per process")
     parser.add_argument("--name", default="record", help="file name suffix: <date>-<device>-<name>.json")
     parser.add_argument("--tp", type=int, default=0, help="time the TP step on this many GPUs instead")
