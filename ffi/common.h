@@ -132,7 +132,7 @@ struct RecordExtension : ffi::internal::RecordExtensionBase<RecordContext> {};
 // jax.ffi.register_ffi_target passes only the instantiate/prepare/initialize/execute stages to
 // the CUDA plugin, not the record stage. So Python registers and runs one bootstrap call,
 // OprojRegisterTargets (common.cc), on a CUDA device; its attributes carry the library's target
-// table (names, the five stage handlers of each as addresses, traits: oproj_jax/cute/ffi.py),
+// table (names, the five stage handlers of each as addresses, traits: oproj_jax/ffi.py),
 // which it hands to the XLA runtime's XLA_FFI_Handler_Register.
 //
 // A handler whose stages keep per-call-site state (ffi::State<T>) names its type here, from a

@@ -8,7 +8,7 @@
 //   record      (inside an XLA command buffer, i.e. a CUDA graph) the same as graph nodes XLA
 //               owns: a memcpy node per in-place copy, the kernel node after them; when XLA hands
 //               new buffers it only rewrites their arguments (no capture, no re-instantiation);
-//   initialize  (the traced twin, registered without a record stage: oproj_jax/cute/ffi.py
+//   initialize  (the traced twin, registered without a record stage: oproj_jax/ffi.py
 //               LAUNCH_TRACED_TARGET says when Python names it) loads the module ahead, so that
 //               XLA's stream capture of execute never loads one.
 // No allocation and no synchronization in execute; a PDL launch only where the call says so: the

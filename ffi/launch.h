@@ -1,6 +1,6 @@
 // The one kernel launch of the library's FFI targets: a cubin's entry, its launch shape and a
 // typed parameter list, all read from the call's attributes. Python builds them
-// (oproj_jax/cute/launch.py: for the CuTe kernels from the lists of oproj_jax/abi.py, for the
+// (oproj_jax/launch.py: for the CuTe kernels from the lists of oproj_jax/abi.py, for the
 // Triton ones from Triton's signature), so nothing here knows a kernel: a kernel's new scalar is
 // a new entry of the list, not a change here.
 //

@@ -1,6 +1,6 @@
 """Compiles the XLA FFI library (the C++ sources of ffi/ -> liboproj_ffi.so) with g++; the standard library only.
 
-Two callers share this module: `oproj_jax.cute.ffi.build_library` (`python -m oproj_jax.build
+Two callers share this module: `oproj_jax.ffi.build_library` (`python -m oproj_jax.build
 --ffi-only`, against the jaxlib in use) and the project's setup.py, which loads this file by
 path (nothing of oproj_jax or jax is imported) to build the library into the wheel or the
 editable checkout, against the jaxlib of the build environment (pinned in pyproject.toml's

@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         help="build the cubins of this arch only (repeatable; default: every arch)",
     )
     args = parser.parse_args(argv)
-    from oproj_jax.cute import ffi
+    from oproj_jax import ffi
 
     _say("building the XLA FFI library (g++ against the jaxlib headers, about 20 s)")
     t0 = time.time()

@@ -86,11 +86,11 @@ def fake_ready_cubins(directory, key, *, entry="k", dynamic_smem_bytes=1000, arc
 
 def launch_attributes(call: str, prefix: str = "") -> dict:
     """The launch attributes of a lowered custom call (one line of the StableHLO text) as
-    oproj_jax/cute/launch.py writes them: cubin, entry (str), grid, block, cluster (tuples), smem
+    oproj_jax/launch.py writes them: cubin, entry (str), grid, block, cluster (tuples), smem
     (int), pdl (bool), params (launch.Arg per parameter); `prefix`: a target's second launch."""
     import re
 
-    from oproj_jax.cute import launch
+    from oproj_jax import launch
 
     config = re.search(r"mhlo\.backend_config = \{(.*?)\}", call)  # no braces inside
     assert config, call[:400]

@@ -20,7 +20,7 @@ import oproj_jax
 from conftest import fake_ready_cubins
 from oproj_jax import api, configs
 from oproj_jax.cute import backend as cute_backend
-from oproj_jax.cute import ffi
+from oproj_jax import ffi
 from oproj_jax.cute import manifest as M
 
 NAMES = ("mailbox", "prefix", "blocks", "norm", "query", "out_norm")

@@ -27,7 +27,8 @@ import pytest
 
 from conftest import dsl_missing_reason
 from oproj_jax import configs
-from oproj_jax.cute import backend, cache, ffi
+from oproj_jax import ffi
+from oproj_jax.cute import backend, cache
 from oproj_jax.cute import manifest as M
 
 H = configs.HIDDEN

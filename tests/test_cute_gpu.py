@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from oproj_jax import configs, reference, testing
-from oproj_jax.cute import ffi
+from oproj_jax import ffi
 from oproj_jax.cute import backend, driver_launch
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU below

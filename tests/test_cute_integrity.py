@@ -14,7 +14,8 @@ import pytest
 from conftest import fake_ready_cubins
 from oproj_jax import configs
 from oproj_jax.contract import Dims
-from oproj_jax.cute import backend, cache, ffi
+from oproj_jax import ffi
+from oproj_jax.cute import backend, cache
 from oproj_jax.cute import manifest as M
 
 KEY = M.make_key(2, 1, True, 2, 0, False)

@@ -23,11 +23,11 @@ import pytest
 import oproj_jax
 from oproj_jax import configs, reference
 from conftest import inplace_pairs, launch_attributes
-from oproj_jax.cute import ffi, launch
+from oproj_jax import ffi, launch
 from oproj_jax.contract import Dims
 from oproj_jax.cute import backend, cache
 from oproj_jax.cute import manifest as cute_manifest
-from oproj_jax.cute.launch import NULL, Arg, Kind
+from oproj_jax.launch import NULL, Arg, Kind
 
 H = configs.HIDDEN
 ONESHOT_KEY = dict(R=2, NB=1, has_delta=True, groups=2, xmoe_replicas=1, twoshot=False)

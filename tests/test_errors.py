@@ -262,7 +262,7 @@ def test_traced_option_says_to_mark_it_static(name, value, kind):
 
 
 def test_missing_ffi_library_names_the_variable_and_the_fix(monkeypatch, tmp_path):
-    from oproj_jax.cute import ffi
+    from oproj_jax import ffi
 
     monkeypatch.setattr(ffi, "_library", None)
     monkeypatch.setenv("OPROJ_JAX_FFI_LIBRARY", str(tmp_path / "none.so"))

@@ -1,4 +1,4 @@
-"""The launch description (oproj_jax/cute/launch.py) and the checks made before a launch.
+"""The launch description (oproj_jax/launch.py) and the checks made before a launch.
 
 The FFI library knows no kernel (ffi/launch.h): Python names the cubin, the launch shape and the
 typed parameter list, built by name from oproj_jax/abi.py. The lowering tests
@@ -17,8 +17,9 @@ import pytest
 
 from oproj_jax import abi, configs, contract
 from oproj_jax.contract import Dims
-from oproj_jax.cute import backend, launch, peer
-from oproj_jax.cute.launch import NULL, Arg, Kind
+from oproj_jax import launch
+from oproj_jax.cute import backend, peer
+from oproj_jax.launch import NULL, Arg, Kind
 
 H = configs.HIDDEN
 REPO = Path(__file__).resolve().parent.parent

@@ -116,7 +116,7 @@ def test_installed_wheel_runs_away_from_the_checkout(wheel, tmp_path):
     assert ctypes.CDLL(str(library)).OprojRegisterTargets  # AttributeError if not exported
     script = (
         "import jax, jax.numpy as jnp, oproj_jax\n"
-        "from oproj_jax.cute import ffi\n"
+        "from oproj_jax import ffi\n"
         f"assert oproj_jax.__file__.startswith({str(target)!r}), oproj_jax.__file__\n"
         "assert ffi.unavailable_reason() is None, ffi.unavailable_reason()\n"
         f"assert oproj_jax.__version__ == {project_version()!r}, oproj_jax.__version__\n"
@@ -188,7 +188,7 @@ def test_without_a_compiler_the_wheel_has_no_library_and_says_so(tmp_path):
 
 
 def test_missing_library_reason_names_the_build_command(monkeypatch, tmp_path):
-    from oproj_jax.cute import ffi
+    from oproj_jax import ffi
 
     monkeypatch.setenv("OPROJ_JAX_FFI_LIBRARY", str(tmp_path / "liboproj_ffi.so"))
     reason = ffi.unavailable_reason()

@@ -180,7 +180,7 @@ def _gpu_reason() -> str | None:
     if "error" in probe:
         return f"no CUDA GPU on this machine: {probe['error']}"
     major, minor = probe["cc"]
-    from oproj_jax.cute import ffi
+    from oproj_jax import ffi
     from oproj_jax.cute import manifest
 
     arch = manifest.arch_for_capability(f"{major}.{minor}")

@@ -15,7 +15,8 @@ import pytest
 from conftest import REPO, worker_env
 
 from oproj_jax import processes
-from oproj_jax.cute import ffi, peer_ipc
+from oproj_jax import ffi
+from oproj_jax.cute import peer_ipc
 
 SKIP_EXIT = 77
 

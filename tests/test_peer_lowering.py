@@ -21,9 +21,10 @@ from jax.sharding import Mesh
 
 from conftest import inplace_pairs, launch_attributes
 from oproj_jax import abi, configs, sharded
-from oproj_jax.cute import backend, cache, ffi, launch, peer
+from oproj_jax import ffi, launch
+from oproj_jax.cute import backend, cache, peer
 from oproj_jax.cute import manifest as cute_manifest
-from oproj_jax.cute.launch import Arg, Kind
+from oproj_jax.launch import Arg, Kind
 
 H = configs.HIDDEN
 COLLECTIVES = ("all_gather", "all_reduce", "all_to_all", "reduce_scatter", "collective_permute", "psum")

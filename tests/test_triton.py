@@ -48,7 +48,7 @@ pytest.importorskip("triton", reason="the triton extra is not installed")
 from conftest import benchmark_script, inplace_pairs, launch_attributes
 from oproj_jax import configs, testing
 from oproj_jax.configs import Config
-from oproj_jax.cute import launch as ffi_launch
+from oproj_jax import launch as ffi_launch
 from oproj_jax.triton import plan
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -468,7 +468,7 @@ def test_jax_call_under_vmap_runs_once_per_element(cuda_triton_stand_ins):
 @pytest.fixture
 def library_cache(monkeypatch, tmp_path):
     """The package's FFI library (built by the install) and a fresh cubin cache."""
-    from oproj_jax.cute import ffi
+    from oproj_jax import ffi
 
     reason = ffi.unavailable_reason()
     if reason:
@@ -576,7 +576,7 @@ def test_unavailable_reasons_name_what_is_missing():
     plugin's Triton kernel call."""
     from jaxlib import gpu_triton
 
-    from oproj_jax.cute import ffi
+    from oproj_jax import ffi
     from oproj_jax.triton import backend
 
     assert "no CPU or interpret path" in backend.unavailable_reason("cpu")

@@ -41,7 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from oproj_jax import abi
-from oproj_jax.cute import cache, ffi, launch
+from oproj_jax import ffi, launch
+from oproj_jax.cute import cache
 from oproj_jax.contract import HIDDEN, ConsumerResult, Dims, check_arguments
 from oproj_jax.cute import manifest as cute_manifest
 from oproj_jax.options import DEFAULTS, Options, takes_options

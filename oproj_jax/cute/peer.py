@@ -66,7 +66,8 @@ import numpy as np
 from oproj_jax import abi, processes
 from oproj_jax.abi import STATUS_CLOSED, STATUS_MAILBOX, STATUS_REFUSED, STATUS_UNARMED
 from oproj_jax.contract import HIDDEN, Dims
-from oproj_jax.cute import backend, ffi, launch, peer_ipc
+from oproj_jax import ffi, launch
+from oproj_jax.cute import backend, peer_ipc
 from oproj_jax.cute import manifest as cute_manifest
 from oproj_jax.options import Options
 

@@ -191,6 +191,6 @@ def forget() -> None:
 
 
 def _library() -> ctypes.CDLL:
-    from oproj_jax.cute import ffi
+    from oproj_jax import ffi
 
     return ffi.load_library()

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from oproj_jax.contract import ConsumerResult, Dims
-from oproj_jax.cute import ffi
+from oproj_jax import ffi
 from oproj_jax.triton import library
 from oproj_jax.triton import plan as launch_plan
 

@@ -7,7 +7,7 @@ time, by Triton itself into a cubin (ptxas, as the PyTorch launch compiles it), 
 content-addressed under cache_dir() and named in the call with its entry, shared memory and
 launch shape; the C++ side loads it once per CUDA context.
 
-The launch's parameters (cute/launch.py) are the kernel's pointers in Triton's order: the
+The launch's parameters (oproj_jax/launch.py) are the kernel's pointers in Triton's order: the
 operands, then the results (the kernels of kernel.py have no runtime scalars), then the null
 pointers Triton appends for its global and profile scratch (refused here if a kernel needs
 either); thread block clusters where the plan's launch has them (sync-*-cluster). A result
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from oproj_jax import disk_cache
-from oproj_jax.cute import ffi, launch as ffi_launch
+from oproj_jax import ffi, launch as ffi_launch
 from oproj_jax.triton import plan as launch_plan
 
 TARGET = ffi.LAUNCH_TARGET  # record stage: a graph node, updated in place

@@ -6,7 +6,7 @@ built with g++ alone into one library, against the headers of the jaxlib in use
 and `cuda.h` for types; libcuda is opened at run time.
 Build it with
 
-    python -m oproj_jax.build --ffi-only     (or: python -m oproj_jax.cute.ffi [--out DIR])
+    python -m oproj_jax.build --ffi-only     (or: python -m oproj_jax.ffi [--out DIR])
 
 (default oproj_jax/_lib/liboproj_ffi.so, git-ignored). `pip install .` builds it too (setup.py,
 against the build environment's pinned jaxlib), when g++ and cuda.h are found; the compile step
@@ -14,7 +14,7 @@ itself is oproj_jax/_ffi_build.py. The targets are registered lazily, the first 
 traced (`register_targets()`).
 
 Targets. The library knows no kernel: one generic launch target (ffi/launch.cc) runs whatever
-launch a call describes in its attributes (oproj_jax/cute/launch.py builds them: the CuTe consumer
+launch a call describes in its attributes (oproj_jax/launch.py builds them: the CuTe consumer
 in every mode, the Triton kernels), and the peer transport (ffi/cute_peer.cc) runs two such
 launches, a publish and a consume, over the mailboxes it owns.
 
@@ -84,9 +84,8 @@ SYMBOLS = {
 }
 COMMAND_BUFFER_COMPATIBLE = 1  # XLA_FFI_Handler_Traits: every target's traits
 
-_HERE = pathlib.Path(__file__).resolve().parent
 SOURCE_DIR = ffi_build.SOURCE_DIR  # the C++ sources: ffi/ of the checkout, or the package's _ffi/
-DEFAULT_LIBRARY = _HERE.parent / "_lib" / ffi_build.LIBRARY_NAME
+DEFAULT_LIBRARY = pathlib.Path(__file__).resolve().parent / "_lib" / ffi_build.LIBRARY_NAME  # oproj_jax/_lib/
 BUILD_COMMAND = "python -m oproj_jax.build --ffi-only"
 LIBRARY_ENV = "OPROJ_JAX_FFI_LIBRARY"  # a built library to load instead of DEFAULT_LIBRARY
 

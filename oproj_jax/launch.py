@@ -208,12 +208,12 @@ def pairs(inplace: Iterable[tuple[int, int]]) -> np.ndarray:
 
 def call(launch: Launch, operands, out_types, *, aliases=None, inplace=(), traced=False, **ffi_call_options):
     """The results of `launch` on `operands` (results `out_types`) through the library's launch
-    target: LAUNCH_TRACED_TARGET when `traced` (no record stage, cute/ffi.py says when), else
+    target: LAUNCH_TRACED_TARGET when `traced` (no record stage, oproj_jax/ffi.py says when), else
     LAUNCH_TARGET. `aliases` {operand: result} reach XLA; `inplace` (operand, result) pairs are
     the aliased ones the kernel reads in place (copied first where XLA did not alias them)."""
     import jax
 
-    from oproj_jax.cute import ffi
+    from oproj_jax import ffi
 
     ffi.register_targets()
     target = ffi.LAUNCH_TRACED_TARGET if traced else ffi.LAUNCH_TARGET
