@@ -12,7 +12,6 @@ output model).
 from __future__ import annotations
 
 import json
-import pathlib
 import re
 import unittest.mock
 
@@ -294,19 +293,11 @@ _CHAIN_OPTIONS = dict(eps=1e-6, out_eps=1e-6, has_delta=True, groups=4, xmoe_rep
 def test_xla_command_buffer(gpu, tmp_path):
     """Two Pallas calls inside an XLA command buffer (the thunk sequence shows them there), with
     the same results as the reference."""
-    import os
     import subprocess
     import sys
 
     dump, out = tmp_path / "dump", tmp_path / "out.npy"
-    env = dict(
-        os.environ,
-        XLA_FLAGS=f"--xla_gpu_graph_min_graph_size=1 --xla_dump_to={dump}",
-        XLA_PYTHON_CLIENT_PREALLOCATE="false",
-        PYTHONPATH=os.pathsep.join(
-            filter(None, (str(pathlib.Path(__file__).parents[1]), os.environ.get("PYTHONPATH")))
-        ),
-    )
+    env = testing.command_buffer_env(dump)
     done = subprocess.run(
         [sys.executable, "-c", _PALLAS_CHAIN, str(out)], env=env, capture_output=True, text=True, timeout=300
     )

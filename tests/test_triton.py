@@ -27,7 +27,6 @@ import dataclasses
 import importlib.util
 import json
 import math
-import os
 import pathlib
 import re
 import subprocess
@@ -45,7 +44,7 @@ import pytest
 # second venv, the newest jax without extras, skips the file.)
 pytest.importorskip("triton", reason="the triton extra is not installed")
 
-from conftest import benchmark_script, inplace_pairs, launch_attributes
+from conftest import benchmark_script, inplace_pairs, launch_attributes, worker_env
 from oproj_jax import configs, testing
 from oproj_jax.configs import Config
 from oproj_jax import launch as ffi_launch
@@ -159,13 +158,12 @@ def interpreted(tmp_path_factory):
         options = dict(EPS, **case.config.options(), variant=case.variant)
         table.append(dict(id=case.id, args=ARGS, options=options))
     (folder / "cases.json").write_text(json.dumps(table))
-    env = dict(
-        os.environ,
-        TRITON_INTERPRET="1",
-        PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
-    )
     done = subprocess.run(
-        [sys.executable, "-c", _INTERPRET, str(folder)], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", _INTERPRET, str(folder)],
+        env=worker_env(TRITON_INTERPRET="1"),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     results = {}

@@ -108,8 +108,6 @@ WIDER_SYNC = (
 # No sync configuration fits (T > SYNC_MAX_TOKENS, or H too wide): one program per token, as many as fill the GPU.
 ROW = Variant("row", 0, 0, 16)  # the row in registers: 16 warps, 110 registers a thread (8 warps: 255, spilling)
 WIDE_ROW = Variant("tile", 0, 512, 8)  # ROW's place where H > ROW_MAX_H: two passes over tiles, few registers
-# Every configuration the rule takes, by name. The launchers' `variant` parameter names one in place of the
-# rule's choice: the tests need it to run the row and tile kernels and the other sync configurations.
 # Where the launch can use thread block clusters (CLUSTER_CAPABILITIES): up to CLUSTER_MAX_TOKENS tokens the
 # first of these that fits H (7 and 4 programs a token at H = 7168), else the rule above. The cluster's
 # barrier saves 1.0-1.2 µs against the same configuration's counters at T <= 64 (7 programs: 5.21 / 6.22 /
@@ -117,6 +115,8 @@ WIDE_ROW = Variant("tile", 0, 512, 8)  # ROW's place where H > ROW_MAX_H: two pa
 # there (docs/perf.md, "The Triton kernel").
 CLUSTER_MAX_TOKENS = 64
 CLUSTERED = (Variant("sync", 1024, 0, 4, cluster=True), Variant("sync", 2048, 0, 8, cluster=True))
+# Every configuration the rule takes, by name. The launchers' `variant` parameter names one in place of the
+# rule's choice: the tests need it to run the row and tile kernels and the other sync configurations.
 VARIANTS = {v.name: v for v in (*(v for _, v in BY_TOKENS), *WIDER_SYNC, ROW, WIDE_ROW, *CLUSTERED)}
 
 

@@ -111,8 +111,9 @@ def consumer(
     `variant`: a name of plan.VARIANTS in place of plan.default_variant's, for the tests.
     `arrivals`: the sync kernel's barrier counters, kept by the caller (arrival_counters: int32,
     >= 2 T of them, zero; the call leaves them at zero); None: zeroed counters for this call
-    (one more launch). Unused by the row and tile kernels. `pdl`: launch the sync kernel with
-    programmatic dependent launch; None: where the GPU has it (sm_90 or newer). Raises
+    (one more launch). Unused by the row and tile kernels and the cluster configurations. `pdl`:
+    launch the sync kernel with programmatic dependent launch; None: where the GPU has it (sm_90 or
+    newer). Raises
     TypeError / ValueError naming the argument (dtype, shape, device, layout, option) before
     launching."""
     import torch
@@ -140,14 +141,13 @@ def consumer(
     xmoe_arg = output if xmoe is None else xmoe
     with torch.cuda.device(prefix.device) if prefix.device.type == "cuda" else contextlib.nullcontext():
         arrays = (mailbox, prefix, blocks_arg, norm, query, out_norm, prefix, output, xmoe_arg)
-        if plan.stats_shape is not None:  # sync: its scratch
-            arrays += (torch.empty(plan.stats_shape, dtype=torch.float32, device=prefix.device),)
-        if plan.arrivals_shape is None and plan.stats_shape is not None:  # sync-*-cluster: no counters
-            arrays += (torch.empty(1, dtype=torch.int32, device=prefix.device),)  # a pointer it never reads
-        if plan.arrivals_shape is not None:  # sync: its arrival counters
-            if arrivals is None:
+        if plan.stats_shape is not None:  # sync: its scratch and arrival counters
+            stats = torch.empty(plan.stats_shape, dtype=torch.float32, device=prefix.device)
+            if plan.arrivals_shape is None:  # sync-*-cluster: a counter pointer it never reads
+                arrivals = torch.empty(1, dtype=torch.int32, device=prefix.device)
+            elif arrivals is None:
                 arrivals = torch.zeros(plan.arrivals_shape, dtype=torch.int32, device=prefix.device)
-            arrays += (arrivals,)
+            arrays += (stats, arrivals)
         for launch in plan.stages() if interpreted() else (plan.launch,):  # interpreted: one per barrier stretch
             _run(launch, *arrays)
     return TorchResult(prefix, output, xmoe)
