@@ -277,7 +277,7 @@ def main(argv=None) -> int:
     parser.add_argument("--decode-backends", default=None, help="the decode step's backends (default: --backends)")
     parser.add_argument("--decode-processes", type=int, default=3, help="processes timing the decode step")
     parser.add_argument(
-        "--decode-mailboxes", default="carried,concat", help="the decode step's mailbox forms (bench --mailboxes)"
+        "--decode-mailboxes", default="carried,partial", help="the decode step's mailbox forms (bench --mailboxes)"
     )
     parser.add_argument(
         "--decode-timeout", type=float, default=None, help="seconds per decode process (default --timeout)"

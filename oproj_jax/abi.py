@@ -33,8 +33,9 @@ CONSUMER_COMMON = (
     Param("T", ".u32", "scalar"),  # the slots' capacity in tokens (the launch's tokens: grid.y)
     Param("timeout_us", ".u32", "scalar"),  # < 0: ready mode (nothing polled); > 0: protocol mode
 )
-# One-shot variants: the fail-stop control words (0 outside mode="peer").
-CONSUMER_ONESHOT = CONSUMER_COMMON + _buffers("control")
+# One-shot variants: the fail-stop control words (0 outside mode="peer"), and the caller's own
+# partial [T, H] read in place of slot `own_slot` (0: none; ready mode only).
+CONSUMER_ONESHOT = CONSUMER_COMMON + _buffers("control", "own") + (Param("own_slot", ".u32", "scalar"),)
 # Two-shot variants: the received column slices, the gathered row, this rank.
 CONSUMER_TWOSHOT = CONSUMER_COMMON + (*_buffers("recv", "gather"), Param("me", ".u32", "scalar"))
 

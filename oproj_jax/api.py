@@ -6,7 +6,11 @@ Every backend module exposes the same three names:
   unavailable_reason(platform: str) -> str | None    # None: it runs on that platform
   unsupported_reason(dims: Dims, **options) -> str | None  # None: it handles that shape
 
-`options` are the five of oproj_jax.options, every one given, as plain Python scalars.
+`options` are the five of oproj_jax.options, every one given, as plain Python scalars. A
+backend whose consumer takes a caller's own partial (`partial=`, `rank=`) says so with
+READS_PARTIAL = True, and partial_in_place(dims, **options) says whether it reads it in place
+(else it writes it into a copy of the mailbox); for the others this module writes the partial
+into a copy of the mailbox first (reference.with_partial).
 `consumer` here checks the arguments once, then calls the chosen backend with arrays that
 are known to be well formed. Naming a backend that cannot run raises; nothing falls back.
 """
@@ -19,7 +23,7 @@ import warnings
 
 import jax
 
-from oproj_jax.contract import ConsumerResult, Dims, check_arguments
+from oproj_jax.contract import ConsumerResult, Dims, check_arguments, check_partial
 from oproj_jax.cute import manifest as cute_manifest
 from oproj_jax.options import DEFAULTS, Options, takes_options
 
@@ -212,13 +216,24 @@ def _checked_call(arrays: tuple, backend, options: dict) -> tuple[Dims, dict, st
     return (dims, options, *_placement(*arrays[:3]))
 
 
+def _reads_partial(name: str) -> bool:
+    return bool(getattr(_module(name), "READS_PARTIAL", False))
+
+
+def _partial_in_place(name: str, dims: Dims, options: dict) -> bool:
+    return _reads_partial(name) and bool(_module(name).partial_in_place(dims, **options))
+
+
 @takes_options()
-def explain(mailbox, prefix, blocks, norm, query, out_norm, *, backend: str = "auto", **options) -> str:
+def explain(
+    mailbox, prefix, blocks, norm, query, out_norm, *, partial=None, rank: int = 0, backend: str = "auto", **options
+) -> str:
     """Which backend `consumer(...)` with these arguments runs, and why each other one does not:
     a few lines of text, nothing traced or run. Takes what consumer takes (arrays, or
     jax.ShapeDtypeStruct for the default device); raises what consumer raises for bad arguments,
     but reports (does not raise) a named backend that cannot run."""
     dims, options, platform, devices = _checked_call((mailbox, prefix, blocks, norm, query, out_norm), backend, options)
+    rank = check_partial(partial, rank, dims)
     shown = devices if devices is not None else _platform_devices(platform)
     name, reasons = choose_backend(backend, platform, dims, devices=devices, **options)
     capabilities = sorted({str(getattr(d, "compute_capability", "-")) for d in shown})
@@ -235,6 +250,10 @@ def explain(mailbox, prefix, blocks, norm, query, out_norm, *, backend: str = "a
         note = getattr(_module(name), "explain_note", lambda *a, **k: None)(dims, **options)
         if note:
             lines.append(f"  {name}: {note}")
+        if partial is not None:
+            in_place = _partial_in_place(name, dims, options)
+            how = "read in place" if in_place else "written into a copy of the mailbox first"
+            lines.append(f"  partial: stands for mailbox slot {rank}, {how}")
         opt_in = sorted({str(c) for c in capabilities if _cute_opt_in(c)}) if _is_gpu(platform) else []
         if name == "cute" and opt_in:
             lines.append(
@@ -265,6 +284,8 @@ def consumer(
     has_delta: bool = DEFAULTS.has_delta,
     groups: int = DEFAULTS.groups,
     xmoe_replicas: int = DEFAULTS.xmoe_replicas,
+    partial=None,  # [T, H] bf16 or None: this rank's own partial, read in place of mailbox[rank]
+    rank: int = 0,  # the mailbox slot `partial` stands for
     backend: str = "auto",
 ) -> ConsumerResult:
     """The O-projection all-reduce consumer: rank sum, prefix update, AttnRes, RMSNorm.
@@ -282,6 +303,15 @@ def consumer(
       norm      [H]         AttnRes key RMSNorm weight.
       query     [H]         AttnRes pseudo-query.
       out_norm  [H]         RMSNorm weight of the next sub-layer's input.
+      partial   [T, H]      optional (keyword): the calling rank's own partial o-projection,
+                            read in place of mailbox slot `rank` (a Python int, default 0;
+                            that slot's contents are ignored). The result is that of the
+                            mailbox with slot `rank` replaced; a caller whose partial lies in
+                            its own buffer (the o-proj GEMM's output) passes it here instead of
+                            writing it into the mailbox. cute reads it in place (its own
+                            variants: prebuilt for R = 16, compiled on first use for another
+                            R where the CuTe DSL is installed); otherwise the partial is
+                            written into a copy of the mailbox first. explain() says which.
 
     Options (keyword-only, static: each value compiles its own program):
       eps            float >= 0, default 1e-6: epsilon of the key RMSNorm inside AttnRes.
@@ -338,9 +368,11 @@ def consumer(
     arrays = (mailbox, prefix, blocks, norm, query, out_norm)
     options = dict(eps=eps, out_eps=out_eps, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas)
     dims, options, platform, devices = _checked_call(arrays, backend, options)
+    rank = check_partial(partial, rank, dims)
     name = resolve_backend(backend, platform, dims, devices=devices, **options)
+    own = None if partial is None else rank
     try:
-        return _differentiable(name, tuple(options.items()))(*arrays)
+        return _differentiable(name, tuple(options.items()), own)(*arrays, *(() if partial is None else (partial,)))
     except TypeError as err:
         if name == "reference" or "forward-mode autodiff" not in str(err):
             raise
@@ -354,25 +386,38 @@ def consumer(
         ) from err
 
 
+def _with_partial(arrays: tuple, own: int | None) -> tuple:
+    """The six operands of a call whose seventh array (if own is not None) is the partial of slot own."""
+    if own is None:
+        return arrays
+    reference = _module("reference")
+    return (reference.with_partial(arrays[0], arrays[6], own), *arrays[1:6])
+
+
 @functools.lru_cache(maxsize=None)
-def _differentiable(name: str, options: tuple):
+def _differentiable(name: str, options: tuple, own: int | None = None):
     """Backend `name`'s consumer with these (static) options, differentiable: a jax.custom_vjp
     whose forward is the backend's kernel and whose backward is the VJP of the reference (the
     op is smooth jnp math; the kernels compute the same function, so jax.grad gives the same
-    gradients on every backend). The reference itself is returned as is (plain jnp: every
-    transformation works on it, forward-mode jvp included; the kernels' wrapper has no jvp)."""
+    gradients on every backend). The reference itself is returned as plain jnp (every
+    transformation works on it, forward-mode jvp included; the kernels' wrapper has no jvp).
+    `own`: the slot of an own partial, the seventh array (None: six arrays)."""
     options = dict(options)
+
+    def reference(*arrays):
+        return _module("reference").consumer(*_with_partial(arrays, own), **options)
+
     if name == "reference":
-        return functools.partial(_module(name).consumer, **options)
+        return reference
 
     def forward(*arrays):  # looked up per call: the cache holds no stale backend function
-        return _module(name).consumer(*arrays, **options)
-
-    reference = functools.partial(_module("reference").consumer, **options)
+        if own is not None and _reads_partial(name):
+            return _module(name).consumer(*arrays[:6], partial=arrays[6], rank=own, **options)
+        return _module(name).consumer(*_with_partial(arrays, own), **options)
 
     @jax.custom_vjp
-    def consume(mailbox, prefix, blocks, norm, query, out_norm):
-        return forward(mailbox, prefix, blocks, norm, query, out_norm)
+    def consume(*arrays):
+        return forward(*arrays)
 
     def consume_fwd(*arrays):
         return forward(*arrays), arrays  # residuals: the inputs (the backward re-runs the reference)

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from oproj_jax.options import Options
 
@@ -77,6 +78,26 @@ def check_arguments(mailbox, prefix, blocks, norm, query, out_norm, **options) -
             raise ValueError(f"{name}: expected shape [H] = ({H},) (from mailbox), got ({wH},)")
     Options.from_kwargs(options)
     return Dims(R, T, NB, H)
+
+
+def check_partial(partial, rank: Any, dims: Dims) -> int:
+    """The caller's own partial: `partial` [T, H] bf16 stands for mailbox slot `rank` (a Python
+    int, 0 <= rank < R); partial None leaves rank at 0. Returns rank. Raises TypeError/ValueError
+    naming the argument."""
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
+        raise TypeError(
+            f"rank: expected a Python int (static: the mailbox slot `partial` stands for), got {type(rank).__name__}"
+        )
+    if partial is None:
+        if rank != 0:
+            raise ValueError(f"rank: names the slot of `partial`, which is None; got rank={rank} without a partial")
+        return 0
+    if not 0 <= rank < dims.R:
+        raise ValueError(f"rank: expected 0 <= rank < R = {dims.R} (mailbox slots), got {rank}")
+    shape = check_array("partial", partial, 2, "[T, H]")
+    if shape != (dims.T, dims.H):
+        raise ValueError(f"partial: expected shape [T, H] = {(dims.T, dims.H)} (from mailbox), got {shape}")
+    return int(rank)
 
 
 # ---- the PyTorch entry ------------------------------------------------------------------------

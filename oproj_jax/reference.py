@@ -106,6 +106,11 @@ def consumer(
     return ConsumerResult(new_prefix, output, xmoe)
 
 
+def with_partial(mailbox, partial, rank: int):  # [R, T, H], [T, H] -> [R, T, H]
+    """The mailbox a call with an own partial reads: slot `rank` replaced by `partial`."""
+    return lax.dynamic_update_index_in_dim(mailbox, partial, rank, 0)
+
+
 def twoshot_gather(mailbox):  # [R, T, H] bf16 -> [1, T, H] bf16
     """Twoshot's gather row: the rank-order sum (groups=1), rounded to bf16 as it is stored."""
     return to_bf16(rank_sum(published(mailbox).astype(f32), 1))[None]

@@ -62,7 +62,7 @@ def fake_ready_cubins(directory, key, *, entry="k", dynamic_smem_bytes=1000, arc
     lower a call on a machine without a GPU (lowering never opens a cubin). Returns the entry.
     Tests of a prebuilt set set $OPROJ_JAX_NO_COMPILE too, or a variant outside it would be
     compiled on first use where the DSL is installed."""
-    from oproj_jax import configs
+    from oproj_jax import abi, configs
     from oproj_jax.cute import manifest
 
     directory = manifest.arch_dir(arch, directory)
@@ -77,7 +77,7 @@ def fake_ready_cubins(directory, key, *, entry="k", dynamic_smem_bytes=1000, arc
         dynamic_smem_bytes=dynamic_smem_bytes,
         block=[128, 1, 1],
         cluster=[7, 1, 1],
-        params=[".u64"] * 15,
+        params=abi.ptx(abi.CONSUMER_ONESHOT),
     )
     sealed = manifest.seal(dict(arch=arch, cutlass_dsl="4.8.1", H=configs.HIDDEN, kernels=[kernel]), directory)
     (directory / manifest.MANIFEST).write_text(json.dumps(sealed))

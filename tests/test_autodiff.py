@@ -93,6 +93,29 @@ def test_grad_under_jit_and_unused_outputs():
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=1e-3)
 
 
+@pytest.mark.parametrize("backend", ["reference", "pallas"])
+def test_the_own_partial_gets_its_slots_gradient(backend):
+    """partial= stands for slot `rank`: its gradient is the one that slot gets without it, and
+    that slot of the mailbox (never read) gets zeros; the other slots' gradients are unchanged."""
+    x = inputs(R=3)
+    rank, mailbox = 1, x[0]
+    want = jax.grad(functools.partial(loss, backend="reference", groups=2))(mailbox, *x[1:])
+
+    def with_partial(mailbox, partial):
+        res = oproj_jax.consumer(mailbox, *x[1:], partial=partial, rank=rank, backend=backend, groups=2)
+        total = jnp.sum(res.output.astype(jnp.float32) * jnp.arange(res.output.size).reshape(res.output.shape) / 1e3)
+        return total + 0.5 * jnp.sum(res.prefix.astype(jnp.float32) ** 2)
+
+    unread = mailbox.at[rank].set(jnp.nan)  # the slot is never read: NaN there changes nothing
+    got_mailbox, got_partial = jax.grad(with_partial, argnums=(0, 1))(unread, mailbox[rank])
+    f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
+    assert np.isfinite(f32(got_partial)).all() and np.abs(f32(got_partial)).max() > 0
+    np.testing.assert_allclose(f32(got_partial), f32(want[rank]), rtol=2e-2, atol=1e-3)
+    assert np.all(f32(got_mailbox[rank]) == 0)
+    others = np.array([r for r in range(3) if r != rank])
+    np.testing.assert_allclose(f32(got_mailbox[others]), f32(want[others]), rtol=2e-2, atol=1e-3)
+
+
 def test_reference_keeps_forward_mode():
     x = inputs()
     tangents = tuple(jnp.ones_like(a) for a in x)

@@ -584,7 +584,8 @@ def test_tp_processes_launch_every_process_and_merge_their_records(tmp_path):
 def test_decode_step_forms_agree_and_the_carried_mailbox_holds_the_last_partial():
     """The decode step's loop forms compute the same thing (reference backend, 2 layers, T=1), and
     the carried mailbox leaves the step with the last layer's partial in slot 0, the peers' slots
-    untouched. On the CPU: a GPU's GEMMs may round differently in the two loop forms."""
+    untouched; passing the partial instead (mailbox "partial") gives the same step and writes no
+    slot. On the CPU: a GPU's GEMMs may round differently in the two loop forms."""
     from oproj_jax.bench import decode_step as D
 
     with jax.default_device(jax.devices("cpu")[0]):
@@ -597,6 +598,12 @@ def test_decode_step_forms_agree_and_the_carried_mailbox_holds_the_last_partial(
         np.testing.assert_array_equal(testing.bits(a), testing.bits(b))
     np.testing.assert_array_equal(testing.bits(got["scan"][2][1:]), testing.bits(slots[1:]))
     assert not np.array_equal(testing.bits(got["scan"][2][0]), testing.bits(slots[0]))
+    # the partial passed in place of slot 0: the same step, and the mailbox not written
+    with jax.default_device(jax.devices("cpu")[0]):
+        own = D.step_fn("reference", "scan", 2, "partial")(attn, jnp.copy(prefix), jnp.copy(slots), blocks, weights)
+    for a, b in zip(own[:2], got["scan"][:2]):
+        np.testing.assert_array_equal(testing.bits(a), testing.bits(b))
+    np.testing.assert_array_equal(testing.bits(own[2]), testing.bits(slots))
     records = D.run(["reference"], [1], layers=2, reps=1, repeats=1, log=lambda m: None, mailboxes=D.MAILBOXES)
     assert [(r["mailbox"], r["loop"]) for r in records] == [
         (m, loop) for m in D.MAILBOXES for loop in ("scan", "unrolled")

@@ -300,6 +300,28 @@ def test_jit(backend):
     testing.check_result(PRODUCTION, arrays, result, **EPS)
 
 
+@pytest.mark.parametrize("rank", (0, 9))
+@pytest.mark.parametrize("backend", JAX_BACKENDS)
+def test_own_partial_stands_for_its_slot(backend, rank):
+    """partial= read in place of slot `rank`, under jax.jit: that slot of the mailbox holds NaN
+    (never read), the partial holds what the oracle's mailbox has there; prefix bit for bit,
+    output by the oracle, the caller's arrays untouched."""
+    need(backend, "jax.jit")
+    arrays = inputs(PRODUCTION)
+    need_support(backend, arrays, PRODUCTION.options())
+    poisoned = arrays["mailbox"].copy()
+    poisoned[rank] = np.nan
+    mailbox, *rest = device_args(dict(arrays, mailbox=poisoned))
+    partial = jnp.asarray(arrays["mailbox"][rank])
+    consume = jax_consumer(backend, PRODUCTION)
+    result = jax.jit(lambda m, p, *rest: consume(m, *rest, partial=p, rank=rank))(mailbox, partial, *rest)
+    testing.check_result(PRODUCTION, arrays, result, **EPS)
+    testing.assert_same_bits(mailbox, poisoned, "the caller's mailbox")
+    told = oproj_jax.explain(mailbox, *rest, partial=partial, rank=rank, backend=backend, **EPS, **PRODUCTION.options())
+    how = "read in place" if backend == "cute" else "written into a copy of the mailbox first"  # R = 16: prebuilt
+    assert f"partial: stands for mailbox slot {rank}, {how}" in told, told
+
+
 def three_steps(backend: str, jax_transform: str):
     """Three decode steps of PRODUCTION (fresh mailboxes): (steps, consume, the arrays after the
     mailbox and prefix on the device), skipped where `backend` cannot run them."""

@@ -27,7 +27,7 @@ KEYS = [
     M.make_key(16, 1, False, 1, 0, True),
 ]
 COMMON_PARAMS = [".u64"] * 10 + [".f32", ".f32", ".u32", ".u32"]  # cute/ABI.md 0..13
-ONESHOT_PARAMS = COMMON_PARAMS + [".u64"]  # 14 control
+ONESHOT_PARAMS = COMMON_PARAMS + [".u64", ".u64", ".u32"]  # 14 control, 15 own, 16 own_slot
 TWOSHOT_PARAMS = COMMON_PARAMS + [".u64", ".u64", ".u32"]  # 14 recv, 15 gather, 16 me
 
 
@@ -350,8 +350,8 @@ def test_an_equivalent_groups_finds_the_entry():
 
 
 def test_the_default_set():
-    """The production family, and every key the GPU tests and benchmarks run (the twoshot ones
-    added; the rest, mode="peer"'s too, are in the family)."""
+    """The production family, its own-partial variants at R = 16, and every key the GPU tests and
+    benchmarks run (the twoshot ones added; the rest, mode="peer"'s too, are in the family)."""
     from oproj_jax import configs
     from oproj_jax.cute import build
 
@@ -359,7 +359,10 @@ def test_the_default_set():
     family = build.production_keys()
     assert len(family) == 9 * 2 * 4 * (1 + 2 + 3 + 4 + 4)  # NB x has_delta x xmoe x effective (R, groups)
     listed = {json.dumps(k, sort_keys=True) for k in keys}
-    assert len(listed) == len(keys) == len(family) + len(build.twoshot_keys())  # no repeats
+    own = build.own_keys()
+    assert len(own) == 9 * 2 * 4 * 4 and all(k["own"] and k["R"] == 16 and not k["twoshot"] for k in own)
+    assert not any(k["own"] for k in family + build.twoshot_keys())
+    assert len(listed) == len(keys) == len(family) + len(own) + len(build.twoshot_keys())  # no repeats
     assert all(k["twoshot"] for k in build.twoshot_keys())
 
     def prebuilt(R, NB, has_delta, groups, reps, twoshot):
@@ -408,6 +411,7 @@ def test_find_unknown_variant_is_none(built):
         ({**KEYS[0], "H": 7168}, ValueError, "unexpected"),
         ({**KEYS[0], "has_delta": 1}, TypeError, "has_delta"),
         ({**KEYS[0], "groups": 4.0}, TypeError, "groups"),
+        ({**KEYS[0], "own": 1}, TypeError, "own"),
         ([16, 8, True, 4, 0, False], TypeError, "dict"),
     ],
 )

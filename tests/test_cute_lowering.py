@@ -33,7 +33,8 @@ H = configs.HIDDEN
 ONESHOT_KEY = dict(R=2, NB=1, has_delta=True, groups=2, xmoe_replicas=1, twoshot=False)
 TWOSHOT_KEY = dict(R=2, NB=0, has_delta=False, groups=1, xmoe_replicas=0, twoshot=True)
 EMPTY_KEY = dict(R=2, NB=0, has_delta=False, groups=1, xmoe_replicas=0, twoshot=False)  # no blocks, no xmoe
-KEYS = (ONESHOT_KEY, TWOSHOT_KEY, EMPTY_KEY)
+OWN_KEY = dict(ONESHOT_KEY, own=True)  # ONESHOT_KEY's own-partial variant
+KEYS = (ONESHOT_KEY, TWOSHOT_KEY, EMPTY_KEY, OWN_KEY)
 B = launch.buffer
 
 
@@ -64,7 +65,7 @@ def fake_cubins(tmp_path, monkeypatch, library):
                 dynamic_smem_bytes=40000 + i,
                 block=[128 * key["groups"], 1, 1],
                 cluster=[7, 1, 1],
-                params=[".u64"] * (17 if key["twoshot"] else 15),
+                params=[".u64"] * 17,  # as many as abi.CONSUMER_ONESHOT and CONSUMER_TWOSHOT
             )
         )
     # the folded builds (128 threads): the one build every call launches (manifest.FOLDED)
@@ -168,7 +169,7 @@ def test_oneshot_lowers_to_our_custom_call(fake_cubins):
     _consumer_shape(attrs, fake_cubins, 0, 3)
     assert attrs["params"] == [
         *(B(8), B(9), B(2), B(3), B(4), B(5), B(10), B(11), B(12), B(13)),
-        *(f32(1e-6), f32(1e-5), u32(3), u32(77), NULL),
+        *(f32(1e-6), f32(1e-5), u32(3), u32(77), NULL, NULL, u32(0)),
     ]
     # mailbox, prefix, hints, status are updated in place: operand -> result aliases, read in place
     aliases = set(re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", call))
@@ -191,7 +192,7 @@ def test_oneshot_without_blocks_or_xmoe_passes_valid_pointers(fake_cubins):
     eps = f32(backend.DEFAULTS.eps)
     assert attrs["params"] == [
         *(B(8), B(9), B(9), B(3), B(4), B(5), B(10), B(10), B(12), B(13)),
-        *(eps, f32(backend.DEFAULTS.out_eps), u32(4), u32(5), NULL),
+        *(eps, f32(backend.DEFAULTS.out_eps), u32(4), u32(5), NULL, NULL, u32(0)),
     ]
 
 
@@ -228,13 +229,49 @@ def test_registry_consumer_uses_the_ready_kernel(fake_cubins):
     _consumer_shape(attrs, fake_cubins, 0, 3)
     assert attrs["params"] == [
         *(B(0), B(6), B(2), B(3), B(4), B(5), B(7), B(8), B(9, 0), B(9, 4)),
-        *(f32(1e-6), f32(1e-6), u32(3), u32(-1), NULL),
+        *(f32(1e-6), f32(1e-6), u32(3), u32(-1), NULL, NULL, u32(0)),
     ]
     assert f"custom_call @{ffi.LAUNCH_TARGET}(%arg0," in call  # the caller's mailbox itself
     assert "compare" not in text and "select" not in text
     aliases = set(re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", call))
     assert aliases == {("0", "1")} and inplace_pairs(call) == [(1, 0)]
     assert call.rstrip().endswith("tensor<2xui32>)")
+
+
+def test_registry_consumer_reads_the_own_partial_in_place(fake_cubins):
+    """partial= is a seventh operand the key's own variant reads in place of slot `rank` (own,
+    own_slot): no update of the mailbox in the program, the results after it (prefix 7, output
+    8, xmoe 9, scratch 10), the prefix still the only in-place operand."""
+    fn = functools.partial(backend.consumer, eps=1e-6, out_eps=1e-6, has_delta=True, groups=2, xmoe_replicas=1)
+    text = lower_for_cuda(
+        lambda m, p, b, n, q, o, own: fn(m, p, b, n, q, o, partial=own, rank=1),
+        *(spec(2, 3, H), spec(3, H), spec(3, 1, H), spec(H), spec(H), spec(H), spec(3, H)),
+    )
+    call, attrs = _launch(text)
+    _consumer_shape(attrs, fake_cubins, 3, 3)
+    assert attrs["params"] == [
+        *(B(0), B(7), B(2), B(3), B(4), B(5), B(8), B(9), B(10, 0), B(10, 4)),
+        *(f32(1e-6), f32(1e-6), u32(3), u32(-1), NULL, B(6), u32(1)),
+    ]
+    assert "dynamic_update_slice" not in text and "scatter" not in text
+    assert inplace_pairs(call) == [(1, 0)]
+
+
+def test_registry_consumer_copies_a_partial_no_own_variant_reads(fake_cubins):
+    """EMPTY_KEY has no own variant (and none compiles here): the partial is written into a copy
+    of the mailbox (slot `rank`), and the plain variant launched on it."""
+    fn = functools.partial(backend.consumer, has_delta=False, groups=1, xmoe_replicas=0)
+    dims = Dims(2, 2, 0, H)
+    assert not backend.partial_in_place(dims, has_delta=False, groups=1, xmoe_replicas=0)
+    assert backend.partial_in_place(Dims(2, 3, 1, H), has_delta=True, groups=2, xmoe_replicas=1)
+    text = lower_for_cuda(
+        lambda m, p, b, n, q, o, own: fn(m, p, b, n, q, o, partial=own, rank=1),
+        *(spec(2, 2, H), spec(2, H), spec(2, 0, H), spec(H), spec(H), spec(H), spec(2, H)),
+    )
+    _, attrs = _launch(text)
+    _consumer_shape(attrs, fake_cubins, 2, 2)
+    assert attrs["params"][14:] == [NULL, NULL, u32(0)]
+    assert "dynamic_update_slice" in text
 
 
 def test_registry_consumer_without_blocks_or_xmoe(fake_cubins):

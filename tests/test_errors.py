@@ -88,6 +88,12 @@ CASES = [
     ("out_eps-negative", {}, dict(out_eps=-0.5), ValueError, ["out_eps:", ">= 0", "-0.5"]),
     ("out_eps-nan", {}, dict(out_eps=float("nan")), ValueError, ["out_eps:", "finite", "nan"]),
     ("out_eps-str", {}, dict(out_eps="x"), TypeError, ["out_eps:", "float", "str"]),
+    # the own partial and the slot it stands for
+    ("partial-float32", {}, dict(partial=np.zeros((T, H), np.float32)), TypeError, ["partial:", "bfloat16", "float32"]),
+    ("partial-T", {}, dict(partial=np.zeros((T + 1, H), bf16)), ValueError, ["partial:", f"{(T, H)}", f"{(T + 1, H)}"]),
+    ("rank-R", {}, dict(partial=np.zeros((T, H), bf16), rank=R), ValueError, ["rank:", f"< R = {R}", f"got {R}"]),
+    ("rank-bool", {}, dict(partial=np.zeros((T, H), bf16), rank=True), TypeError, ["rank:", "int", "bool"]),
+    ("rank-no-partial", {}, dict(rank=1), ValueError, ["rank:", "None", "rank=1"]),
     # backend names
     ("backend-unknown", {}, dict(backend="tpu"), ValueError, ["backend:", "'reference'", "'auto'", "'tpu'"]),
     ("backend-not-str", {}, dict(backend=3), TypeError, ["backend:", "str", "int"]),

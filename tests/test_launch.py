@@ -41,24 +41,25 @@ def _consumer_values(**overrides):
     b = launch.buffer
     values = dict(
         mailbox=b(0), prefix=b(1), blocks=b(2), norm=b(3), query=b(4), out_norm=b(5), output=b(6), xmoe=b(7),
-        hints=b(8), status=b(9), eps=1e-6, out_eps=2e-6, T=3, timeout_us=-1, control=NULL,
+        hints=b(8), status=b(9), eps=1e-6, out_eps=2e-6, T=3, timeout_us=-1, control=NULL, own=NULL, own_slot=0,
     )  # fmt: skip
     return {**values, **overrides}
 
 
 def test_params_follow_the_abi_lists_by_name():
     """The order and the PTX types are abi.py's; values are given by name, in any order."""
-    values = _consumer_values()
+    values = _consumer_values(own=launch.buffer(10), own_slot=2)
     shuffled = dict(reversed(list(values.items())))
     params = launch.params(abi.CONSUMER_ONESHOT, shuffled)
     assert [p.name for p in abi.CONSUMER_ONESHOT][:2] == ["mailbox", "prefix"]
     assert params[:10] == tuple(launch.buffer(i) for i in range(10))
     assert params[10] == Arg(Kind.F32, int(np.float32(1e-6).view(np.uint32)))
     assert params[11] == Arg(Kind.F32, int(np.float32(2e-6).view(np.uint32)))
-    assert params[12:] == (Arg(Kind.U32, 3), Arg(Kind.U32, 0xFFFFFFFF), NULL)
+    assert params[12:] == (Arg(Kind.U32, 3), Arg(Kind.U32, 0xFFFFFFFF), NULL, launch.buffer(10), Arg(Kind.U32, 2))
     twoshot = launch.params(
         abi.CONSUMER_TWOSHOT,
-        {k: v for k, v in values.items() if k != "control"} | dict(recv=launch.buffer(10), gather=NULL, me=1),
+        {k: v for k, v in values.items() if k not in ("control", "own", "own_slot")}
+        | dict(recv=launch.buffer(10), gather=NULL, me=1),
     )
     assert twoshot[14:] == (launch.buffer(10), NULL, Arg(Kind.U32, 1))
 
@@ -144,6 +145,21 @@ def test_more_tokens_than_the_slots_hold_are_refused():
     with pytest.raises(ValueError, match=r"4 tokens, the slots hold T = 3"):
         _launch(tokens=4)
     _launch(tokens=2)  # fewer: mode="peer"'s grid of T rows in slots of max_tokens
+
+
+def test_an_own_partial_needs_an_own_variant_in_ready_mode():
+    """`own` is read only by the variants built for it (kernel.py, "Own partial"), and only in
+    ready mode: any other pairing is refused before a launch."""
+    own = backend._Kernel("/k.cubin", "k", 1000, 128, (16, 8, 0), own=True)
+    options = dict(tokens=3, variant=(16, 8, 0), twoshot=False, pdl=True)
+    spec = backend.consumer_launch(own, ready=True, **options, **_consumer_values(own=launch.buffer(10), own_slot=5))
+    assert spec.params[-2:] == (launch.buffer(10), Arg(Kind.U32, 5))
+    with pytest.raises(ValueError, match="is no own variant, the call passes an own partial"):
+        _launch(own=launch.buffer(10))
+    with pytest.raises(ValueError, match="is an own variant, the call passes no own partial"):
+        backend.consumer_launch(own, ready=True, **options, **_consumer_values())
+    with pytest.raises(ValueError, match="an own partial is read in ready mode only"):
+        backend.consumer_launch(own, ready=False, **options, **_consumer_values(timeout_us=5, own=launch.buffer(10)))
 
 
 def test_the_timeout_says_the_mode():

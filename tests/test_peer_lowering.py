@@ -24,7 +24,7 @@ from oproj_jax import abi, configs, sharded
 from oproj_jax import ffi, launch
 from oproj_jax.cute import backend, cache, peer
 from oproj_jax.cute import manifest as cute_manifest
-from oproj_jax.launch import Arg, Kind
+from oproj_jax.launch import NULL, Arg, Kind
 
 H = configs.HIDDEN
 COLLECTIVES = ("all_gather", "all_reduce", "all_to_all", "reduce_scatter", "collective_permute", "psum")
@@ -66,6 +66,8 @@ def expected_launches(R, T, NB, reps, *, timeout_us, skip=-1, max_tokens=peer.DE
         u32(max_tokens),  # T: the slots' capacity; the grid has the call's tokens
         u32(timeout_us),
         launch.peer_control(),
+        NULL,  # own: the partial reaches this rank's slot through the publish
+        u32(0),
     ]
     return publish, consumer
 
@@ -88,7 +90,7 @@ def _entry(R, NB, has_delta, groups, reps):
         dynamic_smem_bytes=20000 + groups,
         block=[128, 1, 1],
         cluster=[7, 1, 1],
-        params=[".u64"] * 10 + [".f32", ".f32", ".u32", ".u32", ".u64"],
+        params=abi.ptx(abi.CONSUMER_ONESHOT),
     )
 
 

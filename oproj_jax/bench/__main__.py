@@ -100,7 +100,7 @@ def parse_args(argv):
     )
     parser.add_argument(
         "--mailboxes",
-        default="carried,concat",
+        default="carried,partial,concat",
         help="with --decode-step: how each layer's mailbox is formed, comma-separated "
         "(bench/decode_step.py MAILBOXES; default %(default)s)",
     )

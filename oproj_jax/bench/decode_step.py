@@ -16,6 +16,9 @@ would. How the mailbox is formed (`mailbox`, MAILBOXES):
              whose mailbox is one buffer the peers write into directly and every layer reuses
              (here the peers' slots keep their values; the MoE weights streamed per layer,
              ~36 MB, keep the mailbox from staying in the 50 MB L2 between layers);
+  "partial"  the carried mailbox holding the peers' slots, and the partial passed as
+             consumer(..., partial=partial, rank=0): read where the o-proj left it, slot 0 not
+             written (no copy; kernels that do not read it in place copy the mailbox instead);
   "concat"   [partial, others[l]]: a new [R, T, H] array per layer from stacked per-layer slots
              (what an all-gather's output costs to assemble again, on top of the gather);
   "update"   others[l] (stacked [R, T, H] per layer) with slot 0 overwritten: XLA copies the
@@ -49,7 +52,7 @@ from oproj_jax import api, configs
 from oproj_jax.bench import report
 
 R, H, NB, F = configs.TP, configs.HIDDEN, 8, 1024
-MAILBOXES = ("carried", "concat", "update")
+MAILBOXES = ("carried", "partial", "concat", "update")
 K = H // R  # this rank's slice of heads * head_dim
 EPS = 1e-6
 bf16, f32 = jnp.bfloat16, jnp.float32
@@ -100,8 +103,11 @@ def layer(backend: str | None, form: str, attn, prefix, mailbox, blocks, w):
     if backend is None:
         output = partial
     else:
+        own = partial if form == "partial" else None
         if form == "carried":
             mailbox = slots = lax.dynamic_update_index_in_dim(mailbox, partial, 0, 0)  # in place: a donated carry
+        elif form == "partial":
+            slots = mailbox  # slot 0 is never read
         elif form == "concat":
             slots = jnp.concatenate([partial[None], w["others"]])
         else:
@@ -113,6 +119,8 @@ def layer(backend: str | None, form: str, attn, prefix, mailbox, blocks, w):
             w["norm"],
             w["query"],
             w["out_norm"],
+            partial=own,
+            rank=0,
             eps=EPS,
             out_eps=EPS,
             has_delta=True,

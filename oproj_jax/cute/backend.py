@@ -46,7 +46,7 @@ from oproj_jax.cute import cache
 from oproj_jax.contract import HIDDEN, ConsumerResult, Dims, check_arguments
 from oproj_jax.cute import manifest as cute_manifest
 from oproj_jax.options import DEFAULTS, Options, takes_options
-from oproj_jax.reference import without_negative_zero
+from oproj_jax.reference import with_partial, without_negative_zero
 
 MAX_TOKENS = 65535  # grid.y
 MAX_RANKS = 16  # mailbox slots the kernel sums (cute/kernel.py; the publish kernel's destinations too)
@@ -84,17 +84,18 @@ class CuteTwoshotResult(NamedTuple):
 # ---- manifest ------------------------------------------------------------------------------
 
 
-def kernel_key(R: int, NB: int, *, twoshot: bool, **options) -> dict:
+def kernel_key(R: int, NB: int, *, twoshot: bool, own: bool = False, **options) -> dict:
     """The manifest key of one cubin variant (cute/ABI.md) for the consumer's `options` (the
     missing ones at their defaults; eps and out_eps are kernel arguments, not part of the key),
     `groups` replaced by the effective count (manifest.effective_groups): options with the same
-    summation order share a cubin."""
+    summation order share a cubin. `own`: the variant that reads an own partial."""
     opts = Options.from_kwargs(options)
-    return cute_manifest.make_key(R, NB, opts.has_delta, opts.groups, opts.xmoe_replicas, bool(twoshot))
+    return cute_manifest.make_key(R, NB, opts.has_delta, opts.groups, opts.xmoe_replicas, bool(twoshot), bool(own))
 
 
 def _key_build_command(key: dict, arch: str = cute_manifest.PRIMARY_ARCH) -> str:
-    flags = ",".join(str(int(key[k])) for k in cute_manifest.KEY_FIELDS)
+    fields = [k for k in cute_manifest.KEY_FIELDS if k not in cute_manifest.OPTIONAL_FIELDS or key[k]]
+    flags = ",".join(str(int(key[k])) for k in fields)  # own: a 7th flag, only when set
     only = "" if arch == cute_manifest.PRIMARY_ARCH else f" --arch {arch}"
     return f"python -m oproj_jax.cute.build --key {flags}{only}"
 
@@ -172,6 +173,7 @@ class _Kernel(NamedTuple):
     # [slots (R), NB, xmoe replicas] it is built for: consumer_launch checks the operands against it
     variant: tuple[int, int, int] | None = None
     cluster: tuple[int, int, int] = (7, 1, 1)  # CTAs per cluster: one cluster per token (cute/ABI.md)
+    own: bool = False  # an own variant: reads param `own` in place of slot `own_slot` (kernel.py)
 
 
 def _prebuilt(key: dict, arch: str) -> tuple[tuple[dict, dict] | None, str]:
@@ -230,6 +232,7 @@ def _kernel(key: dict, T: int, ready: bool, arch: str | None = None) -> _Kernel:
         int(entry["block"][0]),
         (key["R"], key["NB"], key["xmoe_replicas"]),
         tuple(int(c) for c in entry["cluster"]),
+        key["own"],
     )
 
 
@@ -334,14 +337,14 @@ def explain_note(dims: Dims, **options) -> str | None:
     return f"{cute_manifest.describe(key)} is not prebuilt: the first call compiles it (seconds, once; cached on disk)"
 
 
-def _supported_kernel(dims: Dims, opts: Options, *, twoshot: bool, ready: bool) -> _Kernel:
+def _supported_kernel(dims: Dims, opts: Options, *, twoshot: bool, ready: bool, own: bool = False) -> _Kernel:
     """The kernel that runs this call, or a ValueError with the reason the backend cannot (the
     reason unsupported_reason gives: _kernel raises what _kernel_reason returns, and compiles a
     variant that is only compilable)."""
     reason = _launch_reason(dims)
     if reason is None:
         try:
-            return _kernel(kernel_key(dims.R, dims.NB, twoshot=twoshot, **opts.asdict()), dims.T, ready)
+            return _kernel(kernel_key(dims.R, dims.NB, twoshot=twoshot, own=own, **opts.asdict()), dims.T, ready)
         except ValueError as err:
             reason = str(err)
     raise ValueError(f"backend 'cute' cannot run this call: {reason}")
@@ -353,16 +356,32 @@ READY_TIMEOUT_US = -1  # the kernel's ready mode: slots complete at launch, no p
 RECORD_MAX_T = ffi.RECORD_MAX_T
 
 
-def consumer(mailbox, prefix, blocks, norm, query, out_norm, **options) -> ConsumerResult:
+READS_PARTIAL = True  # consumer takes partial= and rank= (api.py)
+
+
+def partial_in_place(dims: Dims, **options) -> bool:
+    """Whether `consumer(..., partial=...)` reads the partial in place (an own variant is
+    prebuilt, cached or compilable here), else it is written into a copy of the mailbox first."""
+    own_key = kernel_key(dims.R, dims.NB, twoshot=False, own=True, **options)
+    return _launch_reason(dims) is None and _kernel_reason(own_key, dims.T, True) is None
+
+
+def consumer(
+    mailbox, prefix, blocks, norm, query, out_norm, *, partial=None, rank: int = 0, **options
+) -> ConsumerResult:
     """The registry entry point (api.consumer has checked the arguments): the kernel in ready
     mode. The mailbox is an ordinary XLA array, complete before the launch, so there is nothing
     to poll and nothing to re-arm: it is read once and not aliased (no copy, no sanitizing pass;
-    real -0.0 values are harmless, see kernel.py); the prefix is updated in place. Use `consume`
-    for the Lamport protocol."""
+    real -0.0 values are harmless, see kernel.py); the prefix is updated in place. `partial`
+    [T, H] (or None) stands for slot `rank`: an own variant reads it in place (kernel.py, "Own
+    partial"); where none is at hand (partial_in_place) it is written into a copy of the mailbox.
+    Use `consume` for the Lamport protocol."""
     opts = Options.from_kwargs(options)
     dims = Dims(*mailbox.shape[:2], blocks.shape[1], mailbox.shape[2])
     _check_concrete_platform(mailbox, prefix, blocks)
-    kernel = _supported_kernel(dims, opts, twoshot=False, ready=True)
+    if partial is not None and not partial_in_place(dims, **opts.asdict()):
+        mailbox, partial = with_partial(mailbox, partial, rank), None
+    kernel = _supported_kernel(dims, opts, twoshot=False, ready=True, own=partial is not None)
     T, H = prefix.shape
     out_types = [
         jax.ShapeDtypeStruct((T, H), jnp.bfloat16),
@@ -370,19 +389,21 @@ def consumer(mailbox, prefix, blocks, norm, query, out_norm, **options) -> Consu
         jax.ShapeDtypeStruct((opts.xmoe_replicas, T, H), jnp.bfloat16),
         jax.ShapeDtypeStruct((2,), jnp.uint32),
     ]
-    # operands: mailbox 0, prefix 1, blocks 2, norm 3, query 4, out_norm 5; results: prefix 6,
-    # output 7, xmoe 8, scratch 9 ([2] u32: the hints counter and the status word, never read)
-    b = launch.buffer
+    # operands: mailbox 0, prefix 1, blocks 2, norm 3, query 4, out_norm 5[, partial 6]; then the
+    # results: prefix, output, xmoe, scratch ([2] u32: the hints counter and the status word, never read)
+    operands = (mailbox, prefix, blocks, norm, query, out_norm) + (() if partial is None else (partial,))
+    b, n = launch.buffer, len(operands)
+    own = launch.NULL if partial is None else b(6)
     kernel_launch = consumer_launch(
         kernel, tokens=T, variant=(dims.R, dims.NB, opts.xmoe_replicas), ready=True, twoshot=False, pdl=True,
-        mailbox=b(0), prefix=b(6), blocks=b(2), norm=b(3), query=b(4), out_norm=b(5), output=b(7), xmoe=b(8),
-        hints=b(9, 0), status=b(9, 4), eps=opts.eps, out_eps=opts.out_eps, T=T, timeout_us=READY_TIMEOUT_US,
-        control=launch.NULL,
+        mailbox=b(0), prefix=b(n), blocks=b(2), norm=b(3), query=b(4), out_norm=b(5), output=b(n + 1),
+        xmoe=b(n + 2), hints=b(n + 3, 0), status=b(n + 3, 4), eps=opts.eps, out_eps=opts.out_eps, T=T,
+        timeout_us=READY_TIMEOUT_US, control=launch.NULL, own=own, own_slot=0 if partial is None else rank,
     )  # fmt: skip
     # jax.vmap runs one kernel call per batch element (the kernel has no batch dimension).
     new_prefix, output, xmoe, _ = launch.call(
         kernel_launch,
-        (mailbox, prefix, blocks, norm, query, out_norm),
+        operands,
         out_types,
         aliases={1: 0},
         inplace=[(1, 0)],
@@ -451,6 +472,14 @@ def consumer_launch(
     if (values["timeout_us"] < 0) != ready or values["timeout_us"] == 0:
         mode = "ready mode needs timeout_us < 0" if ready else "the protocol needs timeout_us > 0"
         raise ValueError(f"backend 'cute': {mode}, got {values['timeout_us']}")
+    has_own = values.get("own", launch.NULL) != launch.NULL
+    if has_own and not ready:
+        raise ValueError("backend 'cute': an own partial is read in ready mode only (the protocol polls every slot)")
+    if has_own != kernel.own:
+        raise ValueError(
+            f"backend 'cute': the cubin {kernel.entry} is {'an' if kernel.own else 'no'} own variant, "
+            f'the call passes {"an" if has_own else "no"} own partial (kernel.py, "Own partial")'
+        )
     _, NB, reps = variant
     values = dict(values, blocks=values["blocks"] if NB else values["prefix"])
     values["xmoe"] = values["xmoe"] if reps else values["output"]
@@ -528,7 +557,7 @@ def _consume(
     if twoshot:  # one GPU: the gather target is the gather row itself
         values.update(recv=b(n + 6), gather=b(n), me=me)
     else:
-        values.update(control=launch.NULL)  # no fail-stop words outside mode="peer"
+        values.update(control=launch.NULL, own=launch.NULL, own_slot=0)  # no fail-stop words outside mode="peer"
     kernel_launch = consumer_launch(
         kernel, tokens=dims.T, variant=(dims.R, dims.NB, opts.xmoe_replicas), ready=False, twoshot=twoshot, pdl=pdl,
         **values,

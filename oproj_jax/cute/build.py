@@ -4,7 +4,7 @@ Runs on any machine with `nvidia-cutlass-dsl` (4.8.1, no GPU or driver needed):
 
     python -m oproj_jax.cute.build                      # the default set, every arch, into the package dir
     python -m oproj_jax.cute.build --out DIR --all      # same, into DIR
-    python -m oproj_jax.cute.build --key 16,8,1,4,0,0   # R,NB,has_delta,groups,reps,twoshot
+    python -m oproj_jax.cute.build --key 16,8,1,4,0,0   # R,NB,has_delta,groups,reps,twoshot[,own]
     python -m oproj_jax.cute.build --arch sm_90a        # one arch only (repeatable)
 
 Archs (manifest.ARCHS): sm_90a (compute capability 9.0: H100, H200) and sm_100a (10.0: B200,
@@ -21,8 +21,8 @@ $OPROJ_JAX_CUBIN_DIR at it. oproj_jax.cute.manifest resolves the directory the s
 Every cubin is the folded build (manifest.FOLDED), the one build every path launches. The
 default set (default_set(); the argument for it: docs/cubins.md): the production family
 R in {1, 2, 4, 8, 16} x NB 0..8 x has_delta both x groups 1..4 (as effective counts) x xmoe
-0..3, oneshot, and the twoshot keys the GPU tests and benchmarks run (twoshot_keys()). 1011
-cubins, about 0.5 s each; `--jobs` compiles in parallel processes. A variant outside it
+0..3, oneshot, its own-partial variants at R = 16 (own_keys()) and the twoshot keys the GPU
+tests and benchmarks run (twoshot_keys()). 1299 cubins, about 0.5 s each; `--jobs` compiles in parallel processes. A variant outside it
 compiles on first use where the DSL is installed (cute/cache.py). Every build also compiles
 the publish kernel of mode="peer" (cute/publish.py), recorded as the manifest's "publish" entry.
 Both archs get the whole default set (docs/cubins.md, "Archs"): about 0.3 s and 27 KB (sm_90a)
@@ -67,6 +67,9 @@ ARCH = "sm_90a"
 FAMILY_R = (1, 2, 4, 8, 16)
 FAMILY_GROUPS = (1, 2, 3, 4)
 FAMILY_XMOE = (0, 1, 2, 3)
+# The own-partial variants (consumer(partial=...)) prebuilt: the TP16 deployment's family, 288
+# keys; another R's compile on first use.
+OWN_R = (16,)
 
 
 def _ident(key: dict) -> tuple:
@@ -99,6 +102,11 @@ def production_keys() -> list[dict]:
     )
 
 
+def own_keys() -> list[dict]:
+    """The own-partial variants of the production family at OWN_R (kernel.py, "Own partial")."""
+    return _unique([M.make_key(**dict(k, own=True)) for k in production_keys() if k["R"] in OWN_R])
+
+
 def twoshot_keys() -> list[dict]:
     """The twoshot keys of configs.GPU_CHECKS and BENCH (consume_twoshot), prebuilt so that the
     GPU tests and benchmarks run them on a machine without the DSL; any other twoshot key
@@ -111,15 +119,16 @@ def twoshot_keys() -> list[dict]:
 
 
 def default_set() -> list[dict]:
-    """The keys `python -m oproj_jax.build` prebuilds: the production family and twoshot_keys()."""
-    return _unique(production_keys() + twoshot_keys())
+    """The keys `python -m oproj_jax.build` prebuilds: the production family, own_keys() and
+    twoshot_keys()."""
+    return _unique(production_keys() + own_keys() + twoshot_keys())
 
 
 def cubin_name(key: dict) -> str:
     """The file name of `key`'s cubin (the folded build: suffix _f)."""
     k = M.normalize_key(key)
     delta = "d" if k["has_delta"] else "nd"
-    shot = "_twoshot" if k["twoshot"] else ""
+    shot = "_twoshot" if k["twoshot"] else "_own" if k["own"] else ""
     return f"oproj_R{k['R']}_NB{k['NB']}_{delta}_G{k['groups']}_x{k['xmoe_replicas']}{shot}_f.cubin"
 
 
@@ -143,6 +152,7 @@ def consumer_kernel(key: dict, build: M.Build = M.GROUPED, trace: bool = False):
         groups=k["groups"],
         xmoe_replicas=k["xmoe_replicas"],
         twoshot=k["twoshot"],
+        own=k["own"],
         min_ctas=build.min_ctas,
         fold=build.fold,
         trace=trace,
@@ -169,7 +179,7 @@ def compile_variant(
     args += [Float32(0.0), Float32(0.0), Int32(1), Int32(0)]
     launch = kernel.launch_oneshot
     if not k["twoshot"]:
-        args += [Int64(0)]  # control
+        args += [Int64(0), Int64(0), Int32(0)]  # control, own, own_slot
     else:
         args += [ptr(BFloat16, 16), ptr(BFloat16, 16), Int32(0)]
         launch = kernel.launch_twoshot
@@ -317,17 +327,17 @@ def build_all(out_dir=None, keys=None, jobs: int | None = None, log=None, archs=
 
 def _parse_key(text: str) -> dict:
     parts = text.split(",")
-    if len(parts) != 6:
+    if len(parts) not in (6, 7):
         raise argparse.ArgumentTypeError(
-            f"--key: expected R,NB,has_delta,groups,reps,twoshot (6 integers), got {text!r}"
+            f"--key: expected R,NB,has_delta,groups,reps,twoshot[,own] (6 or 7 integers), got {text!r}"
         )
     try:
-        R, NB, delta, groups, reps, twoshot = (int(p) for p in parts)
+        R, NB, delta, groups, reps, twoshot, own = (int(p) for p in [*parts, "0"][:7])
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--key: expected 6 integers, got {text!r}") from None
-    if delta not in (0, 1) or twoshot not in (0, 1):
-        raise argparse.ArgumentTypeError(f"--key: has_delta and twoshot must be 0 or 1, got {text!r}")
-    return M.make_key(R, NB, bool(delta), groups, reps, bool(twoshot))
+        raise argparse.ArgumentTypeError(f"--key: expected 6 or 7 integers, got {text!r}") from None
+    if delta not in (0, 1) or twoshot not in (0, 1) or own not in (0, 1):
+        raise argparse.ArgumentTypeError(f"--key: has_delta, twoshot and own must be 0 or 1, got {text!r}")
+    return M.make_key(R, NB, bool(delta), groups, reps, bool(twoshot), bool(own))
 
 
 def main(argv=None) -> int:
@@ -338,7 +348,7 @@ def main(argv=None) -> int:
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--all", action="store_true", help="the default set (default)")
     group.add_argument(
-        "--key", type=_parse_key, action="append", help="R,NB,has_delta,groups,reps,twoshot (repeatable)"
+        "--key", type=_parse_key, action="append", help="R,NB,has_delta,groups,reps,twoshot[,own] (repeatable)"
     )
     parser.add_argument(
         "--arch",

@@ -2,12 +2,16 @@
 
 Used by the cross-framework parity test (PyTorch tensors, eager and CUDA-graph capture) and by
 the benchmark's CUDA-graph timing of the kernel. The launch is the FFI handler's: grid (7, T),
-cluster 7, programmatic stream serialization (PDL), parameters in cute/ABI.md order.
+cluster 7, programmatic stream serialization (PDL), the parameters of oproj_jax/abi.py.
 """
 
 from __future__ import annotations
 
 import ctypes
+
+from oproj_jax import abi
+
+_CTYPES = {".u64": ctypes.c_uint64, ".u32": ctypes.c_uint32, ".f32": ctypes.c_float}  # a PTX .param's host type
 
 
 def _driver():
@@ -57,13 +61,14 @@ class DriverLaunch:
         """Launch on `stream` (a CUstream handle as an int). `pointers`: the 10 device
         addresses of cute/ABI.md; `twoshot`: (recv, gather, me) or None."""
         cu = self.cu
-        values = [ctypes.c_uint64(p) for p in pointers]
-        values += [ctypes.c_float(eps), ctypes.c_float(out_eps), ctypes.c_int32(T), ctypes.c_int32(timeout_us)]
+        named = dict(zip((p.name for p in abi.CONSUMER_COMMON[:10]), pointers))
+        named.update(eps=eps, out_eps=out_eps, T=T, timeout_us=timeout_us)
         if twoshot is not None:
-            recv, gather, me = twoshot
-            values += [ctypes.c_uint64(recv), ctypes.c_uint64(gather), ctypes.c_int32(me)]
+            named.update(zip(("recv", "gather", "me"), twoshot))
         else:
-            values.append(ctypes.c_uint64(0))  # control: none (no fail-stop word)
+            named.update(control=0, own=0, own_slot=0)  # no fail-stop word, no own partial
+        layout = abi.CONSUMER_TWOSHOT if twoshot is not None else abi.CONSUMER_ONESHOT
+        values = [_CTYPES[p.ptx](named[p.name]) for p in layout]
         params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
         cluster = cu.CUlaunchAttribute()
         cluster.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION

@@ -62,6 +62,14 @@ adds +0.0 last, which turns an all-(-0.0) sum into +0.0 exactly as summing publi
 From READY_NC_MIN_T tokens on, those one-shot loads are non-coherent (ld.global.nc: the data
 cannot change during the kernel, which is what .nc requires); below that the volatile load
 is the faster one (docs/perf.md).
+
+Own partial (`own` variants: one-shot, ready mode): the caller's own partial `own` [T, H] is
+read in place of mailbox slot `own_slot` (a kernel argument), so a caller whose partial lies in
+its own buffer (the o-proj GEMM's output) need not copy it into the mailbox first. The slot's
+address is the only difference: the loads, the rank order and the bits are those of the mailbox
+read. A compile-time choice: built into every variant, the address arithmetic changes how
+ptxas schedules the first loads and costs 7-12 % at T >= 512 (docs/perf.md); the variants
+without it keep their code.
 """
 
 from __future__ import annotations
@@ -113,10 +121,11 @@ class Layout:
 
 
 class OprojConsumer:
-    """Static variant: R ranks, NB blocks, has_delta, groups, xmoe replicas, twoshot; H fixed."""
+    """Static variant: R ranks, NB blocks, has_delta, groups, xmoe replicas, twoshot, own; H fixed."""
 
     def __init__(self, R: int, NB: int, *, has_delta: bool, groups: int, xmoe_replicas: int,
-                 twoshot: bool, H: int = 7168, min_ctas: int = 0, fold: bool = False, trace: bool = False):
+                 twoshot: bool, own: bool = False, H: int = 7168, min_ctas: int = 0, fold: bool = False,
+                 trace: bool = False):
         if not 1 <= R <= 16:
             raise ValueError(f"R: expected 1 <= R <= 16, got {R}")
         if not 0 <= NB <= 8:
@@ -127,10 +136,12 @@ class OprojConsumer:
             raise ValueError(f"xmoe_replicas: expected 0..8, got {xmoe_replicas}")
         if H != CTAS * THREADS * VEC:
             raise ValueError(f"H: the kernel covers H = {CTAS * THREADS * VEC}, got {H}")
+        if twoshot and own:
+            raise ValueError("own: an own partial is read by one-shot variants only (twoshot polls a gather row)")
         if twoshot and (H // R) % VEC:
             raise ValueError(f"R: twoshot needs H/R to be a multiple of {VEC}, got R={R}")
         self.R, self.NB, self.has_delta, self.groups = R, NB, has_delta, groups
-        self.reps, self.twoshot, self.H = xmoe_replicas, twoshot, H
+        self.reps, self.twoshot, self.own, self.H = xmoe_replicas, twoshot, own, H
         if not 0 <= min_ctas <= 2048 // (THREADS if fold else THREADS * groups):
             raise ValueError(f"min_ctas: expected 0 (no bound) .. 2048 / threads per CTA, got {min_ctas}")
         self.min_ctas = min_ctas  # launch bound: resident CTAs per SM ptxas must allow (registers)
@@ -181,6 +192,12 @@ class OprojConsumer:
                 lo, hi = P.add_rn(lo, a), P.add_rn(hi, b)
             values.extend((lo, hi))
         return values
+
+    def slot(self, frag, stride, k: int, jump, own_slot):
+        """Slot k's fragment; in an `own` variant slot own_slot's is own's (Own partial)."""
+        if cutlass.const_expr(not self.own):
+            return frag + k * stride
+        return frag + (k * stride + Int64(own_slot == k) * jump)  # the bracket: uniform offsets
 
     def fold_slots(self, total, raw, n: int):  # total + slot 0 + slot 1 + ... (rank order)
         total = list(total)
@@ -324,7 +341,7 @@ class OprojConsumer:
     def body(self, mailbox: Int64, prefix: Int64, blocks: Int64, norm: Int64, query: Int64,
              out_norm: Int64, output: Int64, xmoe: Int64, hints: Int64, status: Int64,
              eps: Float32, out_eps: Float32, T: Int32, timeout_us: Int32, recv: Int64,
-             gather: Int64, me: Int32, control: Int64):
+             gather: Int64, me: Int32, control: Int64, own: Int64, own_slot: Int32):
         L, H, NB = self.layout, self.H, self.NB
         rank, token, _ = cute.arch.block_idx()
         thread, _, _ = cute.arch.thread_idx()
@@ -345,6 +362,9 @@ class OprojConsumer:
         tokens = P.nctaid_y()  # this launch's tokens (T is the mailbox slots' capacity)
         slot_stride = Int64(T) * (H * 2)  # bytes between mailbox slots (T: the slots' capacity)
         frag = mailbox + row * 2
+        jump = Int64(0)  # own variants: the byte distance from slot own_slot to own (Own partial)
+        if cutlass.const_expr(self.own):
+            jump = (own - mailbox - Int64(own_slot) * slot_stride) * Int64(own != 0)  # no own: 0
         raw = cute.make_rmem_tensor(cute.make_layout(4 * self.raw_slots), cutlass.Uint32)
 
         first_slots = self.slots if self.fold else min(self.S, self.slots)  # group 0's slots
@@ -366,7 +386,7 @@ class OprojConsumer:
             P.cp_async_commit()  # group 1: what the rank sum needs (prefix) and the weights
             if cutlass.const_expr(not self.twoshot):
                 for k in cutlass.range_constexpr(first_slots):  # first polling round, early
-                    words = P.ld_first4(frag + k * slot_stride, ready_nc, refused)
+                    words = P.ld_first4(self.slot(frag, slot_stride, k, jump, own_slot), ready_nc, refused)
                     for j in cutlass.range_constexpr(4):
                         raw[4 * k + j] = words[j]
             # group 2: the blocks, needed only after the rank sum. Waiting for group 1 alone lets
@@ -379,7 +399,8 @@ class OprojConsumer:
             for g in cutlass.range_constexpr(1, self.poll_groups):
                 if group == g:  # first polling round of group g's slots, early
                     for k in cutlass.range_constexpr(min(self.S, self.slots - g * self.S)):
-                        words = P.ld_first4(frag + (g * self.S + k) * slot_stride, ready_nc, refused)
+                        words = P.ld_first4(self.slot(frag, slot_stride, g * self.S + k, jump, own_slot),
+                                            ready_nc, refused)
                         for j in cutlass.range_constexpr(4):
                             raw[4 * k + j] = words[j]
         mark("loads_issued")
@@ -531,10 +552,10 @@ class OprojConsumer:
                        norm: cute.Pointer, query: cute.Pointer, out_norm: cute.Pointer,
                        output: cute.Pointer, xmoe: cute.Pointer, hints: cute.Pointer,
                        status: cute.Pointer, eps: Float32, out_eps: Float32, T: Int32,
-                       timeout_us: Int32, control: Int64):
+                       timeout_us: Int32, control: Int64, own: Int64, own_slot: Int32):
         self.body(mailbox.toint(), prefix.toint(), blocks.toint(), norm.toint(), query.toint(),
                   out_norm.toint(), output.toint(), xmoe.toint(), hints.toint(), status.toint(),
-                  eps, out_eps, T, timeout_us, Int64(0), Int64(0), Int32(0), control)
+                  eps, out_eps, T, timeout_us, Int64(0), Int64(0), Int32(0), control, own, own_slot)
 
     @cute.kernel
     def kernel_twoshot(self, mailbox: cute.Pointer, prefix: cute.Pointer, blocks: cute.Pointer,
@@ -544,7 +565,8 @@ class OprojConsumer:
                        timeout_us: Int32, recv: cute.Pointer, gather: cute.Pointer, me: Int32):
         self.body(mailbox.toint(), prefix.toint(), blocks.toint(), norm.toint(), query.toint(),
                   out_norm.toint(), output.toint(), xmoe.toint(), hints.toint(), status.toint(),
-                  eps, out_eps, T, timeout_us, recv.toint(), gather.toint(), me, Int64(0))
+                  eps, out_eps, T, timeout_us, recv.toint(), gather.toint(), me, Int64(0), Int64(0),
+                  Int32(0))
 
     def _launch_config(self, T, stream):
         return dict(grid=[CTAS, T, 1], block=[self.threads, 1, 1], cluster=[CTAS, 1, 1],
@@ -558,9 +580,9 @@ class OprojConsumer:
                        norm: cute.Pointer, query: cute.Pointer, out_norm: cute.Pointer,
                        output: cute.Pointer, xmoe: cute.Pointer, hints: cute.Pointer,
                        status: cute.Pointer, eps: Float32, out_eps: Float32, T: Int32,
-                       timeout_us: Int32, control: Int64, stream):
+                       timeout_us: Int32, control: Int64, own: Int64, own_slot: Int32, stream):
         self.kernel_oneshot(mailbox, prefix, blocks, norm, query, out_norm, output, xmoe, hints,
-                            status, eps, out_eps, T, timeout_us, control).launch(
+                            status, eps, out_eps, T, timeout_us, control, own, own_slot).launch(
             **self._launch_config(T, stream))
 
     @cute.jit

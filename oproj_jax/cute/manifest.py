@@ -50,8 +50,9 @@ from typing import NamedTuple
 
 ENV_DIR = "OPROJ_JAX_CUBIN_DIR"
 MANIFEST = "manifest.json"
-KEY_FIELDS = ("R", "NB", "has_delta", "groups", "xmoe_replicas", "twoshot")
-_BOOL_FIELDS = ("has_delta", "twoshot")
+KEY_FIELDS = ("R", "NB", "has_delta", "groups", "xmoe_replicas", "twoshot", "own")
+_BOOL_FIELDS = ("has_delta", "twoshot", "own")
+OPTIONAL_FIELDS = {"own": False}  # a key may leave these out: the value here
 
 
 PACKAGE_DIR = Path(__file__).resolve().parent / "cubins"  # resolved once: asked for on every call
@@ -119,16 +120,18 @@ def built_archs(directory=None) -> list[str]:
     return [arch for arch in ARCHS if (arch_dir(arch, directory) / MANIFEST).is_file()]
 
 
-def make_key(R, NB, has_delta, groups, xmoe_replicas, twoshot) -> dict:
-    """A normalized variant key; TypeError/ValueError naming the field on bad input."""
+def make_key(R, NB, has_delta, groups, xmoe_replicas, twoshot, own=False) -> dict:
+    """A normalized variant key; TypeError/ValueError naming the field on bad input. `own`: the
+    variant reads the caller's own partial in place of a slot (kernel.py, "Own partial")."""
     return normalize_key(
-        dict(R=R, NB=NB, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas, twoshot=twoshot)
+        dict(R=R, NB=NB, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas, twoshot=twoshot, own=own)
     )
 
 
 def normalize_key(key) -> dict:
     if not isinstance(key, dict):
         raise TypeError(f"key: expected a dict with fields {KEY_FIELDS}, got {type(key).__name__}")
+    key = {**OPTIONAL_FIELDS, **key}
     missing = [f for f in KEY_FIELDS if f not in key]
     extra = [f for f in key if f not in KEY_FIELDS]
     if missing or extra:
@@ -147,6 +150,8 @@ def normalize_key(key) -> dict:
     for field in ("R", "groups"):
         if out[field] < 1:
             raise ValueError(f"key[{field!r}]: expected an int >= 1, got {out[field]}")
+    if out["own"] and out["twoshot"]:
+        raise ValueError("key['own']: an own partial is read by one-shot variants only, got twoshot=True")
     out["groups"] = effective_groups(out["R"], out["groups"], out["twoshot"])
     return out
 
@@ -255,7 +260,7 @@ def describe(key) -> str:
     k = normalize_key(key)
     return (
         f"R={k['R']} NB={k['NB']} has_delta={k['has_delta']} groups={k['groups']} "
-        f"xmoe_replicas={k['xmoe_replicas']} twoshot={k['twoshot']}"
+        f"xmoe_replicas={k['xmoe_replicas']} twoshot={k['twoshot']}" + (" own=True" if k["own"] else "")
     )
 
 

@@ -308,7 +308,7 @@ def _launches(kernel, publish: _Publish, T, H, R, NB, opts: Options, options: Pe
         kernel, tokens=T, variant=(R, NB, opts.xmoe_replicas), ready=False, twoshot=False, pdl=True,
         mailbox=launch.peer_mailbox(), prefix=b(6), blocks=b(2), norm=b(3), query=b(4), out_norm=b(5), output=b(7),
         xmoe=b(8), hints=b(9, 4), status=b(9, 0), eps=opts.eps, out_eps=opts.out_eps, T=options.max_tokens,
-        timeout_us=options.timeout_us, control=launch.peer_control(),
+        timeout_us=options.timeout_us, control=launch.peer_control(), own=launch.NULL, own_slot=0,
     )  # fmt: skip
     return publish_launch, consumer_launch
 
