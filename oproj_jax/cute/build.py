@@ -22,11 +22,11 @@ Every cubin is the folded build (manifest.FOLDED), the one build every path laun
 default set (default_set(); the argument for it: docs/cubins.md): the production family
 R in {1, 2, 4, 8, 16} x NB 0..8 x has_delta both x groups 1..4 (as effective counts) x xmoe
 0..3, oneshot, its own-partial variants at R = 16 (own_keys()) and the twoshot keys the GPU
-tests and benchmarks run (twoshot_keys()). 1299 cubins, about 0.5 s each; `--jobs` compiles in parallel processes. A variant outside it
-compiles on first use where the DSL is installed (cute/cache.py). Every build also compiles
-the publish kernel of mode="peer" (cute/publish.py), recorded as the manifest's "publish" entry.
-Both archs get the whole default set (docs/cubins.md, "Archs"): about 0.3 s and 27 KB (sm_90a)
-or 33 KB (sm_100a) per cubin.
+tests and benchmarks run (twoshot_keys()): 1299 cubins; `--jobs` compiles in parallel
+processes. A variant outside it compiles on first use where the DSL is installed
+(cute/cache.py). Every build also compiles the publish kernel of mode="peer" (cute/publish.py),
+recorded as the manifest's "publish" entry. Both archs get the whole default set
+(docs/cubins.md, "Archs"): about 0.3 s and 29 KB (sm_90a) or 35 KB (sm_100a) per cubin.
 R stays static: the polling loop is unrolled over the slots a group owns, and a runtime R
 would cost registers and a dynamic loop on the critical path for no gain at the few R used.
 
