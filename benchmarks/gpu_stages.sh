@@ -23,7 +23,7 @@
 #   launcher launcher-ab, then launcher-tests (each may also be named alone):
 #            launcher-ab: the host time per call at T=1 of this FFI launcher against the one in
 #            .dev/old (benchmarks/launch_ab.py; prepare .dev/old on a CPU machine with
-#            `python benchmarks/launch_ab.py --prepare-old REV` and carry it);
+#            `python benchmarks/launch_ab.py --prepare-old REV` and carry it; $LAUNCHER_OLD_CUBINS);
 #            launcher-tests: the GPU tests of every path through the launch target and the peer
 #            transport (cute: ready, protocol, twoshot, the cubin family; peer in one process,
 #            across processes and its faults; triton; 2 GPUs for the peer tests)
@@ -113,8 +113,9 @@ if has triton-record; then
   rm -rf "$out"/triton-run?
 fi
 if has launcher || has launcher-ab; then  # first, on a quiet machine
+  # $LAUNCHER_OLD_CUBINS: a cubin set the old checkout accepts, where the kernel sources changed since
   stage launcher-ab 170 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/launch_ab.py --old .dev/old --out "$out" \
-    --tokens 1 --rounds 3 --budget 110
+    ${LAUNCHER_OLD_CUBINS:+--old-cubins "$LAUNCHER_OLD_CUBINS"} --tokens 1 --rounds 6 --budget 90
   tail -n 12 "$out/launcher-ab.txt"
 fi
 if has launcher || has launcher-tests; then

@@ -3,8 +3,9 @@
 Two checkouts, each with its FFI library built: --new (default: this one) and --old (the
 replaced launcher, prepared on a CPU machine with --prepare-old REV: `git archive REV` of the
 package and ffi/ into .dev/old, its library built there). Both read the same cubins
-(OPROJ_JAX_CUBIN_DIR, default this checkout's): the kernel sources did not change, so one
-manifest serves both. Per round (--rounds), each arm runs one process per XLA configuration, the
+(OPROJ_JAX_CUBIN_DIR, default this checkout's) where the kernel sources did not change; where
+they did, --old-cubins names a set the old checkout's manifest accepts (its plain variant's SASS
+is the new one's). Per round (--rounds), each arm runs one process per XLA configuration, the
 arms' order alternating from round to round so that drifts of the machine fall on both:
   graph   XLA's default flags: the consumer calls are kernel nodes of XLA's command buffers;
           `steady` feeds each execution the same buffers (the graph replays, nothing is
@@ -45,6 +46,7 @@ def parse_args(argv):
     )
     parser.add_argument("--old", default=os.path.join(REPO, ".dev", "old"))
     parser.add_argument("--new", default=REPO)
+    parser.add_argument("--old-cubins", default=None, help="the old arm's OPROJ_JAX_CUBIN_DIR (default: the new one's)")
     parser.add_argument("--out", default=None, help="directory of the JSON (default: print only)")
     parser.add_argument("--tokens", default="1")
     parser.add_argument("--rounds", type=int, default=3)
@@ -159,6 +161,8 @@ def run_arm(tree: str, flags: str, args) -> dict:
     site = os.path.join(REPO, ".dev", "site")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, site]), XLA_FLAGS=flags)
     env.setdefault("OPROJ_JAX_CUBIN_DIR", os.path.join(REPO, "oproj_jax", "cute", "cubins"))
+    if args.old_cubins and tree == os.path.abspath(args.old):
+        env["OPROJ_JAX_CUBIN_DIR"] = os.path.abspath(args.old_cubins)
     env.pop("OPROJ_JAX_FFI_LIBRARY", None)  # each checkout's own library
     command = [sys.executable, os.path.abspath(__file__), "--worker", "--tokens", ",".join(map(str, args.tokens))]
     command += ["--reps", str(args.reps), "--chain", ",".join(map(str, args.chain)), "--backend", args.backend]

@@ -6,7 +6,9 @@ machine fall on all arms alike):
   triton         backend="triton" (the package's launch target) in the donated chain, pdl on / off;
   triton-torch   the same kernel launched from PyTorch in CUDA graphs (bench/torch_timing.py):
                  arrival counters kept across the chain or zeroed per call, pdl on / off;
-  cute           backend="cute" as it is (PDL always), the yardstick.
+  cute           backend="cute" as it is (PDL always), the yardstick;
+  --variants     Triton configurations (plan.VARIANTS names) side by side, each an arm of
+                 backend="triton" through the package's launch target (PDL on where it can).
 Every arm's first call is checked against the oracle (JAX arms: bench's check; the PyTorch arms
 check themselves against torch_ref). One JSON list of records, written after every round.
 
@@ -33,15 +35,17 @@ def parse_args(argv):
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=30, help="executions per chain length")
     parser.add_argument("--arms", default="pallas,triton,triton-torch,cute")
+    parser.add_argument("--variants", default="", help="Triton configurations to time side by side, comma-separated")
     parser.add_argument("--budget", type=float, default=400.0, help="seconds; no new round starts past it")
     args = parser.parse_args(argv)
     args.tokens = [int(t) for t in args.tokens.split(",")]
     args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     return args
 
 
-def jax_arms(names, config):
-    """(backend, label, jitted step) for the JAX arms."""
+def jax_arms(names, config, variants=()):
+    """(backend, label, jitted step) for the JAX arms; `variants`' labelled by name."""
     import jax
 
     from oproj_jax.bench import timing
@@ -58,6 +62,8 @@ def jax_arms(names, config):
             arms.append(("pallas", label, jax.jit(step)))
         if "triton" in names:
             arms.append(("triton", label, jax.jit(functools.partial(triton_backend.launch, **options, pdl=pdl))))
+    for variant in variants:
+        arms.append(("triton", variant, jax.jit(functools.partial(triton_backend.launch, **options, variant=variant))))
     if "cute" in names:
         arms.append(("cute", "pdl", timing.consumer_step("cute", config)))
     return arms
@@ -105,7 +111,7 @@ def main(argv=None) -> int:
         config = case.config
         k1, k2 = timing.chain_lengths(config, platform)
         pool = bench_inputs.DevicePool(case, k2, l2_bytes=timing.l2_bytes(platform))
-        arms = jax_arms(args.arms, config)
+        arms = jax_arms(args.arms, config, args.variants)
         for backend, label, step in arms:
             err = check_jax(step, case)
             records.append(dict(kind="check", backend=backend, label=label, T=T, out_rel_l2=err, ok=True))

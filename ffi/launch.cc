@@ -2,7 +2,10 @@
 // mode's goes through: the CuTe consumer in each of its modes (oproj_jax/cute/backend.py) and the
 // Triton kernels (oproj_jax/triton/library.py). Python names the cubin, the launch shape, the
 // typed parameters and the in-place operands in the call's attributes:
-//   execute     the in-place copies, then cuLaunchKernelEx on XLA's stream (cluster and PDL
+//   instantiate (once per call site and executable) reads them into the site's state: the
+//               launch shape and every parameter but the buffers' addresses;
+//   execute     binds the call's buffers into a copy of the site's launch, runs the in-place
+//               copies, then cuLaunchKernelEx on XLA's stream (cluster and PDL
 //               attributes where the call asks for them); the module is loaded on first use,
 //               cached per (context, cubin, entry);
 //   record      (inside an XLA command buffer, i.e. a CUDA graph) the same as graph nodes XLA
@@ -17,7 +20,9 @@
 
 #include <cuda.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -90,7 +95,13 @@ ffi::Error Kernel::Shape(const LaunchAttrs& a) {
 
 ffi::Error Kernel::Plan(const LaunchAttrs& a, ffi::RemainingArgs args, ffi::RemainingRets rets,
                         const Resolver* resolver) {
+  if (auto e = Prepare(a, resolver); e.failure()) return e;
+  return Bind(args, rets);
+}
+
+ffi::Error Kernel::Prepare(const LaunchAttrs& a, const Resolver* resolver) {
   if (auto e = Shape(a); e.failure()) return e;
+  n_buffers_ = 0;
   if (a.params.size() % kParamWords || a.params.size() > size_t(kParamWords * kMaxParams))
     return Invalid(entry_, "params: expected (kind, value, extra) for at most " + std::to_string(kMaxParams) +
                                " parameters, got " + std::to_string(a.params.size()) + " words");
@@ -103,12 +114,10 @@ ffi::Error Kernel::Plan(const LaunchAttrs& a, ffi::RemainingArgs args, ffi::Rema
       case kNull:
         p = Param{};
         break;
-      case kBuffer: {
-        auto address = BufferAddress(args, rets, value, extra, entry_);
-        if (address.has_error()) return address.error();
-        p = Param{reinterpret_cast<uint64_t>(*address), 8, true};
+      case kBuffer:
+        p = Param{};
+        buffers_[n_buffers_++] = {i, value, extra};
         break;
-      }
       case kU32:
       case kI32:
       case kF32:
@@ -126,6 +135,28 @@ ffi::Error Kernel::Plan(const LaunchAttrs& a, ffi::RemainingArgs args, ffi::Rema
     addresses_[i] = &p.bits;  // little-endian: a 4-byte scalar is the low half
   }
   return ffi::Error::Success();
+}
+
+ffi::Error Kernel::Bind(ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  for (int k = 0; k < n_buffers_; ++k) {
+    const BufferParam& b = buffers_[k];
+    auto address = BufferAddress(args, rets, b.index, b.offset, entry_);
+    if (address.has_error()) return address.error();
+    params_[b.param].bits = reinterpret_cast<uint64_t>(*address);
+  }
+  return ffi::Error::Success();
+}
+
+void Kernel::CopyFrom(const Kernel& other) {
+  cubin_ = other.cubin_, entry_ = other.entry_;
+  std::copy(other.grid_, other.grid_ + 3, grid_);
+  std::copy(other.block_, other.block_ + 3, block_);
+  std::copy(other.cluster_, other.cluster_ + 3, cluster_);
+  smem_ = other.smem_, pdl_ = other.pdl_;
+  n_params_ = other.n_params_, n_buffers_ = other.n_buffers_;
+  std::copy(other.params_, other.params_ + n_params_, params_);
+  std::copy(other.buffers_, other.buffers_ + n_buffers_, buffers_);
+  for (int i = 0; i < n_params_; ++i) addresses_[i] = &params_[i].bits;
 }
 
 ffi::ErrorOr<CUfunction> Kernel::Function() const { return GetFunction(cubin_, entry_, smem_, clustered()); }
@@ -189,6 +220,7 @@ ffi::Error Kernel::Update(RecordContext& ctx, const XLA_FFI_Command* command) co
 // ---- Copies -------------------------------------------------------------------------------------
 ffi::Error Copies::Plan(ffi::Span<const int64_t> inplace, ffi::RemainingArgs args, ffi::RemainingRets rets,
                         std::string_view entry) {
+  n_ = 0;
   if (inplace.size() % 2 || inplace.size() > size_t(2 * kMaxCopies))
     return Invalid(entry, "inplace: expected at most " + std::to_string(kMaxCopies) + " (operand, result) pairs");
   for (size_t i = 0; i < inplace.size(); i += 2) {
@@ -242,30 +274,46 @@ namespace {
 
 using namespace oproj;
 
-#define LAUNCH_SIG \
-  ffi::RemainingArgs args, ffi::RemainingRets rets, OPROJ_LAUNCH_SIG(), ffi::Span<const int64_t> inplace
+#define ATTRS_SIG OPROJ_LAUNCH_SIG(), ffi::Span<const int64_t> inplace
+#define LAUNCH_SIG ffi::RemainingArgs args, ffi::RemainingRets rets, ATTRS_SIG
 
-ffi::Error Plan(Kernel& kernel, Copies& copies, LAUNCH_SIG) {
-  if (auto e = kernel.Plan(OPROJ_LAUNCH_VALUES(), args, rets); e.failure()) return e;
-  return copies.Plan(inplace, args, rets, entry);
+// One call site's launch, made once by the instantiate stage from its attributes (which never
+// change): execute then only binds the call's buffers, and its binding decodes no attribute.
+struct Site {
+  static ffi::TypeId id;
+  std::string cubin, entry;  // the kernel's views point here
+  Kernel kernel;             // prepared: every value but the buffers' addresses
+  std::vector<int64_t> inplace;
+};
+ffi::TypeId Site::id = {};
+const bool site_registered = AddStateType({"oproj_launch_site", &Site::id, ffi::MakeTypeInfo<Site>()});
+
+ffi::ErrorOr<std::unique_ptr<Site>> Instantiate(ATTRS_SIG) {
+  auto site = std::make_unique<Site>();
+  site->cubin = std::string(cubin), site->entry = std::string(entry);
+  site->inplace.assign(inplace.begin(), inplace.end());
+  LaunchAttrs attrs = OPROJ_LAUNCH_VALUES();
+  attrs.cubin = site->cubin, attrs.entry = site->entry;
+  if (auto e = site->kernel.Prepare(attrs); e.failure()) return e;
+  return site;
 }
 
-ffi::Error Execute(CUstream stream, LAUNCH_SIG) {
-  Kernel kernel;
+ffi::Error Execute(CUstream stream, Site* site, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  Kernel kernel;  // per call: calls of one site may run at once (one executable, several threads)
+  kernel.CopyFrom(site->kernel);
+  if (auto e = kernel.Bind(args, rets); e.failure()) return e;
   Copies copies;
-  if (auto e = Plan(kernel, copies, args, rets, cubin, entry, grid, block, cluster, smem, pdl, params, inplace);
-      e.failure())
-    return e;
-  if (auto e = copies.Run(stream, entry); e.failure()) return e;
+  const ffi::Span<const int64_t> inplace(site->inplace.data(), site->inplace.size());
+  if (auto e = copies.Plan(inplace, args, rets, site->entry); e.failure()) return e;
+  if (auto e = copies.Run(stream, site->entry); e.failure()) return e;
   return kernel.Launch(stream);
 }
 
 ffi::Error RecordStage(RecordContext ctx, LAUNCH_SIG) {
   Kernel kernel;
   Copies copies;
-  if (auto e = Plan(kernel, copies, args, rets, cubin, entry, grid, block, cluster, smem, pdl, params, inplace);
-      e.failure())
-    return e;
+  if (auto e = kernel.Plan(OPROJ_LAUNCH_VALUES(), args, rets); e.failure()) return e;
+  if (auto e = copies.Plan(inplace, args, rets, entry); e.failure()) return e;
   auto commands = ctx.commands();
   const int64_t needed = copies.size() + 1;
   if (ctx.action() == ffi::RecordAction::kUpdate) {
@@ -296,16 +344,24 @@ ffi::Error Initialize(LAUNCH_SIG) {
 
 }  // namespace
 
-#define LAUNCH_BINDING                                                                     \
-  .RemainingArgs().RemainingRets() OPROJ_LAUNCH_ATTRS("")                                  \
-      .Attr<ffi::Span<const int64_t>>("inplace") /* (operand, result) pairs read in place */
+#define ATTRS_BINDING \
+  OPROJ_LAUNCH_ATTRS("").Attr<ffi::Span<const int64_t>>("inplace") /* (operand, result) pairs read in place */
+#define LAUNCH_BINDING .RemainingArgs().RemainingRets() ATTRS_BINDING
 
 constexpr auto kCmdBuffer = ffi::Traits::kCmdBufferCompatible;
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OprojLaunchInstantiate, Instantiate, ffi::Ffi::BindInstantiate() ATTRS_BINDING,
+                              {kCmdBuffer});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OprojLaunchInitialize, Initialize, ffi::Ffi::BindInitialize() LAUNCH_BINDING,
                               {kCmdBuffer});
+// No attribute bound: XLA decodes none per call (the site holds what they say).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OprojLaunchExecute, Execute,
-                              ffi::Ffi::Bind().Ctx<ffi::PlatformStream<CUstream>>() LAUNCH_BINDING, {kCmdBuffer});
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<CUstream>>()
+                                  .Ctx<ffi::State<Site>>()
+                                  .RemainingArgs()
+                                  .RemainingRets(),
+                              {kCmdBuffer});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OprojLaunchRecord, RecordStage,
                               ffi::Ffi::BindRecord().Ctx<ffi::Extension<RecordExtension>>() LAUNCH_BINDING,
                               {kCmdBuffer});

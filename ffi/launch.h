@@ -81,9 +81,16 @@ class Kernel {
 
   // The launch shape, checked against CUDA's limits (enough to load the kernel: Function()).
   ffi::Error Shape(const LaunchAttrs& attrs);
-  // The shape, then every parameter's value.
+  // The shape and every parameter's value but the buffers' addresses, which Bind fills in: what
+  // a call site keeps from call to call (its attributes never change).
+  ffi::Error Prepare(const LaunchAttrs& attrs, const Resolver* resolver = nullptr);
+  ffi::Error Bind(ffi::RemainingArgs args, ffi::RemainingRets rets);
+  // Prepare, then Bind.
   ffi::Error Plan(const LaunchAttrs& attrs, ffi::RemainingArgs args, ffi::RemainingRets rets,
                   const Resolver* resolver = nullptr);
+  // This kernel := a prepared `other` (its own parameter storage, so one call binds its buffers
+  // while another call of the same site binds theirs).
+  void CopyFrom(const Kernel& other);
   // The kernel in the current context: loaded once, then a cache hit (common.h).
   ffi::ErrorOr<CUfunction> Function() const;
   // cuLaunchKernelEx on `stream`, with the cluster and PDL attributes the call asks for.
@@ -104,6 +111,12 @@ class Kernel {
   Param params_[kMaxParams];
   void* addresses_[kMaxParams] = {};
   int n_params_ = 0;
+  struct BufferParam {
+    int param;
+    int64_t index, offset;
+  };
+  BufferParam buffers_[kMaxParams];  // the kBuffer parameters, which Bind resolves
+  int n_buffers_ = 0;
 };
 
 // The in-place operands of a call: `inplace` (operand, result) pairs whose result buffer the

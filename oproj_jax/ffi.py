@@ -78,8 +78,8 @@ class Stages(NamedTuple):
 
 # The library's targets: the one table both registration paths (bootstrap, lowering only) read.
 SYMBOLS = {
-    LAUNCH_TARGET: Stages("OprojLaunchExecute", "OprojLaunchRecord"),
-    LAUNCH_TRACED_TARGET: Stages("OprojLaunchExecute", None, "OprojLaunchInitialize"),
+    LAUNCH_TARGET: Stages("OprojLaunchExecute", "OprojLaunchRecord", instantiate="OprojLaunchInstantiate"),
+    LAUNCH_TRACED_TARGET: Stages("OprojLaunchExecute", None, "OprojLaunchInitialize", "OprojLaunchInstantiate"),
     PEER_TARGET: Stages("OprojPeerExecute", "OprojPeerRecord", instantiate="OprojPeerInstantiate"),
 }
 COMMAND_BUFFER_COMPATIBLE = 1  # XLA_FFI_Handler_Traits: every target's traits
@@ -210,8 +210,9 @@ def register_targets() -> None:
         else:  # lowering only (no device to run the bootstrap on): the record stage is never needed
             for name, stages in SYMBOLS.items():
                 handlers = {"execute": jax.ffi.pycapsule(getattr(library, stages.execute))}
-                if stages.initialize:
-                    handlers["initialize"] = jax.ffi.pycapsule(getattr(library, stages.initialize))
+                for stage in ("initialize", "instantiate"):
+                    if getattr(stages, stage):
+                        handlers[stage] = jax.ffi.pycapsule(getattr(library, getattr(stages, stage)))
                 jax.ffi.register_ffi_target(name, handlers, platform="CUDA", traits=COMMAND_BUFFER_COMPATIBLE)
         _registered = True
 

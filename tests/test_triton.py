@@ -327,18 +327,26 @@ def test_sync_kernel_barriers_as_compiled(tmp_path, monkeypatch):
 
 
 def test_cluster_configuration_meets_at_the_cluster_barrier(tmp_path, monkeypatch):
-    """A sync configuration launched in clusters: its two barriers are the cluster's (every
-    thread arrives with release and waits with acquire), no atomic, no poll, no trap; the launch
-    names clusters of its C = 7 programs and has no counters; the interpreter's stages, none."""
+    """A sync configuration launched in clusters: its programs exchange their records through
+    the cluster's shared memory (stores at the peers' addresses, mapa; loads from their own,
+    past Triton's allocation: the launch asks for the exchange's bytes more) after one relaxed
+    arrival and wait that lets them write there, and meet at two of the cluster's barriers (every
+    thread arrives with release and waits with acquire); no atomic, no poll, no trap, no record
+    in global memory; the launch names clusters of its C = 7 programs and has no counters; the
+    interpreter's stages, none."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     clustered = plan.make(16, 3, 8, 7168, **PRODUCTION, variant="sync-1024-w4-cluster", clusters=True)
     launch = clustered.launch
     assert launch.cluster == 7 and launch.grid == (7, 3) and dict(launch.constexprs)["CLUSTER"] is True
+    assert launch.exchange == 7 * (2 * 8 + 3) * 4
     assert clustered.arrivals_shape is None and clustered.stats_shape == (3, 7, 2 * 8 + 3)
     ptx = _compile_sm90(launch).asm["ptx"]
+    assert ptx.count("barrier.cluster.arrive.relaxed.aligned") == 1 and ptx.count("barrier.cluster.wait.aligned") == 1
+    assert ptx.index("barrier.cluster.wait.aligned") < ptx.index("st.shared::cluster.f32")
     assert ptx.count("barrier.cluster.arrive.release.aligned") == 2
     assert ptx.count("barrier.cluster.wait.acquire.aligned") == 2
-    assert "atom." not in ptx and "trap;" not in ptx and "ld.global.cg" in ptx
+    assert "mapa.shared::cluster.u32" in ptx and "%dynamic_smem_size" in ptx and "ld.shared.f32" in ptx
+    assert "atom." not in ptx and "trap;" not in ptx and "ld.global.cg" not in ptx and "st.global.b32" not in ptx
     counterpart = plan.make(16, 3, 8, 7168, **PRODUCTION, variant="sync-1024-w4").launch
     assert counterpart.cluster == 0 and dict(counterpart.constexprs)["CLUSTER"] is False
     for stage in clustered.stages():
@@ -498,8 +506,9 @@ def test_library_lowering_names_a_stored_cubin_and_its_parameters(library_cache,
     tokens) naming a cubin stored under its sha256, the kernel's pointers in Triton's order
     (operands, results, then Triton's two null scratch pointers), the launch shape of the plan;
     the sync counters start from a zeros operand aliased to them (none in a cluster
-    configuration, the default up to 64 tokens on sm_90, launched in clusters of its programs, its
-    counter pointer an int32 placeholder); the sync kernel launched with PDL."""
+    configuration, the default on sm_90, launched in clusters of its programs with the exchange's
+    shared memory added, its counter pointer an int32 placeholder); the sync kernel launched with
+    PDL."""
     text = _lowered(variant, T)
     calls = LIBRARY_CALL.findall(text)
     launch = plan.make(16, T, 8, 7168, **PRODUCTION, variant=variant, clusters=True).launch
@@ -516,7 +525,9 @@ def test_library_lowering_names_a_stored_cubin_and_its_parameters(library_cache,
     assert attrs["entry"] == launch.kernel
     assert attrs["block"] == (32 * launch.num_warps, 1, 1)
     assert attrs["cluster"] == ((launch.cluster, 1, 1) if launch.cluster else (0, 0, 0))
-    assert launch.cluster == {None: 7 if T <= 64 else 0, "sync-2048-w8-cluster": 4}.get(variant, 0), "sm_90: clusters"
+    assert launch.cluster == {None: 7, "sync-2048-w8-cluster": 4}.get(variant, 0), "sm_90: clusters"
+    assert launch.exchange == (launch.cluster * (2 * 8 + 3) * 4 if launch.cluster else 0)
+    assert attrs["smem"] >= launch.exchange, "the cluster's exchange past Triton's shared memory"
     assert attrs["grid"] == (*launch.grid, 1, 1)[:3]
     n_in = operands.count("%")
     zeroed = launch.kernel == "sync_kernel" and not launch.cluster
@@ -591,10 +602,11 @@ def test_unavailable_reasons_name_what_is_missing():
 
 def test_default_rule_with_clusters():
     """Where the launch uses clusters: sync-1024-w4-cluster up to 64 tokens (7 programs a token at the
-    production H), sync-2048-w8-cluster where H needs more than 8 programs of 1024 columns, the rule
-    without clusters past either bound."""
+    production H), sync-2048-w8-cluster where H needs more than 8 programs of 1024 columns, from 65
+    tokens sync-1024-w4-reload-cluster-r64, the rule without clusters past the programs' bound."""
     by_t = [plan.default_variant(t, 7168, clusters=True) for t in (1, 8, 64, 65, 4096)]
-    assert by_t == ["sync-1024-w4-cluster"] * 3 + ["sync-1024-w4-reload-r64"] * 2
+    assert by_t == ["sync-1024-w4-cluster"] * 3 + ["sync-1024-w4-reload-cluster-r64"] * 2
+    assert plan.default_variant(65, 8193, clusters=True) == plan.default_variant(65, 8193) == "sync-1024-w4-reload-r64"
     assert plan.default_variant(1, 8192, clusters=True) == "sync-1024-w4-cluster"  # 8 programs
     assert plan.default_variant(1, 8193, clusters=True) == "sync-2048-w8-cluster"
     assert plan.default_variant(1, 16385, clusters=True) == plan.default_variant(1, 16385) == "sync-1024-w4"

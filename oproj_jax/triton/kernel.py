@@ -15,8 +15,9 @@ constexpr. Offsets are int64 (R * T * H overflows int32 at large T).
                      in global memory (arrival counters, zero at launch and left at zero): after the dot
                      products and squares of their chunks (for the weights), after y.y (for
                      the output scale); each keeps its blocks and prefix in registers. With
-                     CLUSTER, launched in thread block clusters of its C programs, they meet
-                     at the cluster's barrier instead (no counters).
+                     CLUSTER, launched in thread block clusters of its C programs, they pass
+                     their records through the cluster's shared memory and meet at its
+                     barrier instead (no counters, no records in global memory).
 
 Which kernel runs, and its launch parameters: plan.py.
 
@@ -353,6 +354,118 @@ def _cluster_barrier():
 
 
 @triton.jit
+def _cluster_arrive():
+    """The first arrival at the cluster's barrier (relaxed: it orders nothing), paired with
+    _cluster_wait before the first store into a peer's shared memory."""
+    tl.inline_asm_elementwise(
+        "barrier.cluster.arrive.relaxed.aligned;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+@triton.jit
+def _cluster_wait():
+    """Returns once every program of the cluster has arrived (_cluster_arrive): all of them are
+    running, so their shared memory may be written."""
+    tl.inline_asm_elementwise(
+        "barrier.cluster.wait.aligned;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+# The cluster's exchange: each program's records live in the last CHUNKS * RECORD f32 of its
+# dynamic shared memory, past what Triton allocates (the launchers add plan.Launch.exchange
+# bytes), addressed from the end (global_smem + %dynamic_smem_size) so that no offset depends on
+# Triton's own layout. A program stores its record into every program of the cluster
+# (st.shared::cluster at the peer's address, mapa) and, after the cluster's barrier, reads all of
+# them from its own shared memory.
+
+
+@triton.jit
+def _exchange_put(values, offset, peer, ok):
+    """Stores each of `values` (f32) into program `peer`'s exchange at byte `offset` from its end
+    (negative), where `ok` is nonzero."""
+    return tl.inline_asm_elementwise(
+        """{ .reg .u32 xb, xs, xa, xr; .reg .pred xp;
+        mov.u32 xb, global_smem;
+        mov.u32 xs, %dynamic_smem_size;
+        add.u32 xa, xb, xs;
+        add.u32 xa, xa, $2;
+        mapa.shared::cluster.u32 xr, xa, $3;
+        setp.ne.s32 xp, $4, 0;
+        @xp st.shared::cluster.f32 [xr], $1;
+        mov.u32 $0, 0; }""",
+        "=r,f,r,r,r",
+        [values, offset, peer, ok],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def _exchange_get(offset, ok):
+    """The f32 at byte `offset` from the end of this program's exchange, 0.0 where `ok` is zero."""
+    return tl.inline_asm_elementwise(
+        """{ .reg .u32 xb, xs, xa; .reg .pred xp;
+        mov.u32 xb, global_smem;
+        mov.u32 xs, %dynamic_smem_size;
+        add.u32 xa, xb, xs;
+        add.u32 xa, xa, $1;
+        setp.ne.s32 xp, $2, 0;
+        mov.f32 $0, 0f00000000;
+        @xp ld.shared.f32 $0, [xa]; }""",
+        "=f,r,r",
+        [offset, ok],
+        dtype=tl.float32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def _put_record(record, c, lanes, values, mask, CLUSTER: tl.constexpr, CHUNKS: tl.constexpr, SPAN: tl.constexpr,
+                RECORD: tl.constexpr):  # fmt: skip
+    """Lanes `lanes` of chunk c's record := `values` where `mask` (three tiles of one 3-D shape):
+    in global memory at `record`, or (CLUSTER) in the exchange of every program of the cluster
+    (one store per value and program: the tile gains a leading axis of programs)."""
+    if CLUSTER:
+        peer = tl.arange(0, SPAN)[:, None, None, None]
+        offset = (c * RECORD + lanes - CHUNKS * RECORD)[None, :, :, :] * 4 + peer * 0
+        ok = ((peer < CHUNKS) & mask[None, :, :, :]).to(tl.int32)
+        _exchange_put(tl.where(peer >= 0, values[None, :, :, :], 0.0), offset, peer + offset * 0, ok)
+    else:
+        tl.store(record + lanes, values, mask=mask)
+
+
+@triton.jit
+def _records(stats, t, k, lanes, mask, CLUSTER: tl.constexpr, CHUNKS: tl.constexpr, RECORD: tl.constexpr):
+    """Lanes `lanes` of token t's records `k` as a [len(k), len(lanes)] f32 tile, 0.0 where not
+    `mask`: from global memory (L2, where the other programs stored them), or (CLUSTER) from this
+    program's exchange."""
+    if CLUSTER:
+        offset = (k[:, None] * RECORD + lanes[None, :] - CHUNKS * RECORD) * 4
+        return _exchange_get(offset, mask.to(tl.int32))
+    else:
+        rows = stats + (t * CHUNKS + k)[:, None] * RECORD + lanes[None, :]
+        # .cg: from L2, where the other programs' stores are (never a line this SM cached).
+        return tl.load(rows, mask=mask, other=0.0, cache_modifier=".cg")
+
+
+@triton.jit
+def _prefetch(rows, R: tl.constexpr, T, t, H: tl.constexpr, offs, mask):
+    """Asks L2 for token t's R rows of `rows` ([R, T, H]) at `offs` (prefetch.global.L2, one
+    address per 16 bytes where `mask`): the loads that follow find them there or on their way."""
+    for r in tl.static_range(R):
+        tl.inline_asm_elementwise(
+            "{ .reg .pred xp; setp.ne.s32 xp, $2, 0; @xp prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+            "=r,l,r",
+            [rows + (r * T + t) * H + offs, mask.to(tl.int32)],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+
+@triton.jit
 def _arrive_and_wait(counter, CHUNKS: tl.constexpr, POLLS: tl.constexpr):
     """Counts this program in at `counter` and returns once all CHUNKS programs of the token
     have; past POLLS polls, or on a counter that was not zero at launch, the kernel traps (a
@@ -383,15 +496,15 @@ def _arrive_and_wait(counter, CHUNKS: tl.constexpr, POLLS: tl.constexpr):
 
 
 @triton.jit
-def _token_sum(stats, t, lanes, written, CHUNKS: tl.constexpr, SPAN: tl.constexpr, RECORD: tl.constexpr):
+def _token_sum(stats, t, lanes, CLUSTER: tl.constexpr, CHUNKS: tl.constexpr, SPAN: tl.constexpr,
+               RECORD: tl.constexpr):  # fmt: skip
     """Lanes `lanes` of token t's CHUNKS records (SPAN: CHUNKS rounded up to a power of two),
-    added over the chunks (0 where not `written`): every program of the token runs this same
-    code on the same records, so all of them get the same bits."""
+    added over the chunks: every program of the token runs this same code on the same records,
+    so all of them get the same bits."""
     k = tl.arange(0, SPAN)
-    rows = stats + (t * CHUNKS + k)[:, None] * RECORD + lanes[None, :]
-    # .cg: from L2, where the other programs' stores are (never a line this SM cached).
-    tile = tl.load(rows, mask=(k < CHUNKS)[:, None] & written[None, :], other=0.0, cache_modifier=".cg")
-    return tl.sum(tile, axis=0)
+    return tl.sum(
+        _records(stats, t, k, lanes, (k < CHUNKS)[:, None] & (lanes >= 0)[None, :], CLUSTER, CHUNKS, RECORD), axis=0
+    )
 
 
 @triton.jit
@@ -407,7 +520,7 @@ def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
 @triton.jit
 def _sync_weights(
     stats, t, NB: tl.constexpr, H: tl.constexpr, EPS: tl.constexpr, ROWS: tl.constexpr,
-    CHUNKS: tl.constexpr, SPAN: tl.constexpr, RECORD: tl.constexpr,
+    CHUNKS: tl.constexpr, SPAN: tl.constexpr, RECORD: tl.constexpr, CLUSTER: tl.constexpr,
 ):  # fmt: skip
     """The softmax weights of token t's blocks ([ROWS]) and of its new prefix p, from its
     records' dot products and squares."""
@@ -416,13 +529,12 @@ def _sync_weights(
     # one load of the three tiles ([SPAN, ROWS] each; p.w and p.p in lanes 0 and 1 of the third,
     # so ROWS >= 2) and one reduction of them
     k = tl.arange(0, SPAN)
-    rows = stats + (t * CHUNKS + k)[:, None] * RECORD + j[None, :]
     chunk = (k < CHUNKS)[:, None]
     dots, squares, mine = tl.reduce(
         (
-            tl.load(rows, mask=chunk & real[None, :], other=0.0, cache_modifier=".cg"),
-            tl.load(rows + ROWS, mask=chunk & real[None, :], other=0.0, cache_modifier=".cg"),
-            tl.load(rows + 2 * ROWS, mask=chunk & (j < 2)[None, :], other=0.0, cache_modifier=".cg"),
+            _records(stats, t, k, j, chunk & real[None, :], CLUSTER, CHUNKS, RECORD),
+            _records(stats, t, k, ROWS + j, chunk & real[None, :], CLUSTER, CHUNKS, RECORD),
+            _records(stats, t, k, 2 * ROWS + j, chunk & (j < 2)[None, :], CLUSTER, CHUNKS, RECORD),
         ),
         0,
         _add3,
@@ -488,7 +600,8 @@ def sync_kernel(
     barrier): 2 and 3 read p back from the stored prefix, 3 recomputes y (the same operations
     on the same values, so the same bits). PDL: launched with programmatic dependent launch
     (sm_90 or newer). CLUSTER: a token's C programs launched as one thread block cluster, which
-    meet at the cluster's barrier instead (`arrivals` unused): the same arithmetic, the same bits."""
+    store their records into each other's shared memory and meet at the cluster's barrier
+    instead (`stats` and `arrivals` unused): the same arithmetic, the same bits."""
     if PDL:
         # The grid may start before the kernel ahead of it on the stream has finished; every read
         # waits for that kernel's end (its writes then visible), so only the launch overlaps.
@@ -497,12 +610,27 @@ def sync_kernel(
         # are all on the GPU by then.
         tl_cuda.gdc_wait()
         tl_cuda.gdc_launch_dependents()
+    if CLUSTER:
+        _cluster_arrive()
     RECORD: tl.constexpr = 2 * ROWS + 3
     c = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
     T = tl.num_programs(1).to(tl.int64)
     offs = c * BLOCK + tl.arange(0, BLOCK)
     mask = offs < H
+    if PHASE == 0 and not RELOAD:
+        # Few programs a token, each waiting on its loads (RELOAD's launches have many, which hide
+        # the wait): every row it reads is asked of L2 first, since ptxas issues the loads
+        # themselves among the rank sum's arithmetic; out_norm is read now, not after barrier 2.
+        wide = c * BLOCK + tl.arange(0, BLOCK // 8) * 8
+        inside = wide < H
+        _prefetch(mailbox, R, T, t, H, wide, inside)  # [R, T, H]
+        _prefetch(blocks, NB, 1, t * NB, H, wide, inside)  # [T, NB, H]: row t * NB + r
+        if HAS_DELTA:
+            _prefetch(prefix_in, 1, 1, t, H, wide, inside)
+        _prefetch(norm, 1, 1, 0, H, wide, inside)
+        _prefetch(query, 1, 1, 0, H, wide, inside)
+        on_early = tl.load(out_norm + offs, mask=mask, other=0.0)
     j = tl.arange(0, ROWS)
     record = stats + (t * CHUNKS + c) * RECORD
     b = _block_tile(blocks, t, j, offs, mask, NB, H)
@@ -518,10 +646,18 @@ def sync_kernel(
             1,
             _add4,
         )
-        tl.store(record + j, dots, mask=j < NB)
-        tl.store(record + ROWS + j, squares, mask=j < NB)
-        tl.store(record + 2 * ROWS + j, p_dot, mask=j == 0)
-        tl.store(record + 2 * ROWS + 1 + j, p_square, mask=j == 0)
+        # the record as one [ROWS, 2, 2] tile (j, u, v): v = 0 the blocks' dots (u = 0) and squares
+        # (u = 1) in lanes u * ROWS + j; v = 1 p.w and p.p in lanes 2 * ROWS + u, from row 0
+        u = tl.arange(0, 2)[None, :, None]
+        v = tl.arange(0, 2)[None, None, :]
+        jj = j[:, None, None]
+        if CLUSTER:
+            _cluster_wait()  # the peers run: their shared memory may be written
+        _put_record(
+            record, c, tl.where(v == 0, u * ROWS + jj, 2 * ROWS + u),
+            tl.join(tl.join(dots, squares), tl.join(p_dot, p_square)), tl.where(v == 0, jj < NB, jj == 0),
+            CLUSTER, CHUNKS, SPAN, RECORD,
+        )  # fmt: skip
     else:
         p = _widen(tl.load(prefix_out + t * H + offs, mask=mask, other=0.0))
     if PHASE == 0:
@@ -533,7 +669,7 @@ def sync_kernel(
         if NB == 0:
             y = p  # one source: its weight is exactly 1 (docs/spec.md)
         else:
-            alpha, alpha_p = _sync_weights(stats, t, NB, H, EPS, ROWS, CHUNKS, SPAN, RECORD)
+            alpha, alpha_p = _sync_weights(stats, t, NB, H, EPS, ROWS, CHUNKS, SPAN, RECORD, CLUSTER)
             if RELOAD:
                 # The same bits again, from L1 or L2 where the first read left them: the tile is not
                 # held across the barrier, so a thread needs fewer registers and more programs
@@ -541,7 +677,9 @@ def sync_kernel(
                 b = _block_tile(blocks, t, j, offs, mask, NB, H)
             y = tl.sum(alpha[:, None] * b, axis=0) + alpha_p * p  # padding rows: 0 times a zero row
     if PHASE == 0 or PHASE == 2:
-        tl.store(record + 2 * ROWS + 2, tl.sum(y * y, axis=0))
+        lane = tl.full([1, 1, 1], 2 * ROWS + 2, tl.int32)
+        yy = tl.full([1, 1, 1], 0.0, tl.float32) + tl.sum(y * y, axis=0)  # y.y >= 0: adding +0.0 keeps its bits
+        _put_record(record, c, lane, yy, lane >= 0, CLUSTER, CHUNKS, SPAN, RECORD)
     if PHASE == 0:
         if CLUSTER:
             _cluster_barrier()
@@ -549,6 +687,9 @@ def sync_kernel(
             _arrive_and_wait(arrivals + 2 * t + 1, CHUNKS, POLLS)
     if PHASE == 0 or PHASE == 3:
         lane = 2 * ROWS + 2 + tl.arange(0, 1)
-        yy = tl.sum(_token_sum(stats, t, lane, lane >= 0, CHUNKS, SPAN, RECORD), axis=0)
-        on = _widen(tl.load(out_norm + offs, mask=mask, other=0.0))
+        yy = tl.sum(_token_sum(stats, t, lane, CLUSTER, CHUNKS, SPAN, RECORD), axis=0)
+        if PHASE == 0 and not RELOAD:
+            on = _widen(on_early)
+        else:
+            on = _widen(tl.load(out_norm + offs, mask=mask, other=0.0))
         _store_output(output, xmoe, t, T, offs, mask, (y * _out_scale(yy, H, OUT_EPS)) * on, REPS, H)

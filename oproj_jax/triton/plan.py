@@ -15,9 +15,10 @@ Configurations (kernel.py has the kernels), named kind-columns-warps:
                   Triton's interpreter runs it as three launches, the stretches between the
                   barriers.
   sync-*-cluster  the same, a token's programs launched as one thread block cluster (on
-                  CLUSTER_CAPABILITIES, C <= CLUSTER_MAX), meeting at the cluster's barrier: no
-                  arrival counters, nothing zeroed, the same bits as its counterpart without
-                  clusters; the default up to CLUSTER_MAX_TOKENS tokens there.
+                  CLUSTER_CAPABILITIES, C <= CLUSTER_MAX), passing their records through the
+                  cluster's shared memory and meeting at its barrier: no arrival counters,
+                  nothing in global memory, the same bits as its counterpart without clusters;
+                  the default there (CLUSTERED).
   sync-*-reload   the same, but the blocks are read again after the first barrier (from L1 or
                   L2, where the first read left them) instead of held in registers across it:
                   fewer registers a thread, more programs per SM.
@@ -108,25 +109,29 @@ WIDER_SYNC = (
 # No sync configuration fits (T > SYNC_MAX_TOKENS, or H too wide): one program per token, as many as fill the GPU.
 ROW = Variant("row", 0, 0, 16)  # the row in registers: 16 warps, 110 registers a thread (8 warps: 255, spilling)
 WIDE_ROW = Variant("tile", 0, 512, 8)  # ROW's place where H > ROW_MAX_H: two passes over tiles, few registers
-# Where the launch can use thread block clusters (CLUSTER_CAPABILITIES): up to CLUSTER_MAX_TOKENS tokens the
-# first of these that fits H (7 and 4 programs a token at H = 7168), else the rule above. The cluster's
-# barrier saves 1.0-1.2 µs against the same configuration's counters at T <= 64 (7 programs: 5.21 / 6.22 /
-# 10.80 µs at T = 1 / 8 / 64 against 6.25 / 7.24 / 12.04), and sync-1024-w4-cluster beats BY_TOKENS's choices
-# there (docs/perf.md, "The Triton kernel").
-CLUSTER_MAX_TOKENS = 64
-CLUSTERED = (Variant("sync", 1024, 0, 4, cluster=True), Variant("sync", 2048, 0, 8, cluster=True))
-# Every configuration the rule takes, by name. The launchers' `variant` parameter names one in place of the
-# rule's choice: the tests need it to run the row and tile kernels and the other sync configurations.
-VARIANTS = {v.name: v for v in (*(v for _, v in BY_TOKENS), *WIDER_SYNC, ROW, WIDE_ROW, *CLUSTERED)}
+# Where the launch can use thread block clusters (CLUSTER_CAPABILITIES): the first of these whose bound on T holds
+# and that fits H (at most CLUSTER_MAX programs a token: 7 and 4 at H = 7168), else the rule above. The cluster's
+# exchange (kernel.py) replaces the arrival counters and the records in global memory, at the same bits. Measured on
+# the H200 (docs/perf.md, "The Triton kernel"): sync-1024-w4-cluster 5.3 / 5.6 / 11.1 us at T = 1 / 8 / 64 against
+# 6.2 / 7.4 / 12.3 for sync-1024-w4; from T = 512 on the blocks read again after the first barrier and 64 registers
+# (as BY_TOKENS's last entry, 8 programs per SM): 60.2 / 389 us at T = 512 / 4096 against 66.4 / 417 with counters.
+CLUSTERED = (
+    (64, Variant("sync", 1024, 0, 4, cluster=True)),
+    (64, Variant("sync", 2048, 0, 8, cluster=True)),
+    (math.inf, Variant("sync", 1024, 0, 4, reload=True, max_registers=64, cluster=True)),
+)
+# Every configuration the rule takes, by name. The launchers' `variant` parameter names one in place of the rule's choice:
+# the tests need it to run the row and tile kernels and the other sync configurations.
+VARIANTS = {v.name: v for v in (*(v for _, v in BY_TOKENS), *WIDER_SYNC, ROW, WIDE_ROW, *(v for _, v in CLUSTERED))}
 
 
 def default_variant(T: int, H: int, clusters: bool = False) -> str:
     """The configuration the launchers take for T tokens of hidden size H: with `clusters` (the
-    launch can use them) and T <= CLUSTER_MAX_TOKENS the first of CLUSTERED that fits; else
+    launch can use them) the first of CLUSTERED whose bound holds and that fits; else
     BY_TOKENS's; past its bounds the first of WIDER_SYNC that fits, else ROW (WIDE_ROW where H is
     too wide for a row in registers)."""
-    if clusters and T <= CLUSTER_MAX_TOKENS:
-        fits = [v for v in CLUSTERED if not _sync_limit(v, T, H)]
+    if clusters:
+        fits = [v for bound, v in CLUSTERED if T <= bound and not _sync_limit(v, T, H)]
         if fits:
             return fits[0].name
     chosen = next(variant for bound, variant in BY_TOKENS if T <= bound)
@@ -203,6 +208,9 @@ class Launch:
     max_registers: int | None = None
     pdl: bool = False  # launched with programmatic dependent launch (the kernel waits: its PDL constexpr)
     cluster: int = 0  # programs per thread block cluster along the grid's first axis; 0: no clusters
+    # bytes of dynamic shared memory past the compiled kernel's own: the cluster's exchange
+    # (kernel.py, "The cluster's exchange"), which the launchers add to Triton's `shared`
+    exchange: int = 0
 
     def options(self) -> dict:
         """The compile options both launchers pass (their defaults differ otherwise)."""
@@ -217,7 +225,8 @@ class Plan:
     launch: Launch  # a call is one launch
     stats_shape: tuple[int, ...] | None = None  # sync: the f32 scratch [T, C, record] its programs meet in
     arrivals_shape: tuple[int, ...] | None = None  # sync: its barriers' int32 counters [T, 2], zero at launch
-    # (sync-*-cluster: none; the kernel's `arrivals` pointer is then a placeholder it never reads)
+    # (sync-*-cluster: no arrivals, the kernel's `arrivals` pointer a placeholder it never reads; launched whole it
+    # reads no stats either, its programs meet in shared memory, but the interpreter's stages do)
 
     def stages(self) -> tuple[Launch, ...]:
         """The launch as Triton's interpreter runs it: sync as the stretches between its
@@ -273,7 +282,9 @@ def make(
     span = dict(BLOCK=chosen.block, ROWS=rows, CHUNKS=chunks, SPAN=_pow2(chunks))
     whole = dict(shared, **span, POLLS=SYNC_POLLS, PHASE=0, RELOAD=chosen.reload, PDL=bool(pdl), CLUSTER=chosen.cluster)
     kernel = dataclasses.replace(
-        launch("sync_kernel", (chunks, T), whole, bool(pdl)), cluster=chunks if chosen.cluster else 0
+        launch("sync_kernel", (chunks, T), whole, bool(pdl)),
+        cluster=chunks if chosen.cluster else 0,
+        exchange=chunks * (2 * rows + 3) * 4 if chosen.cluster else 0,
     )
     return Plan(
         chosen, kernel, stats_shape=(T, chunks, 2 * rows + 3), arrivals_shape=None if chosen.cluster else (T, 2)
