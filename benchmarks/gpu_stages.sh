@@ -115,7 +115,7 @@ fi
 if has launcher || has launcher-ab; then  # first, on a quiet machine
   # $LAUNCHER_OLD_CUBINS: a cubin set the old checkout accepts, where the kernel sources changed since
   stage launcher-ab 170 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/launch_ab.py --old .dev/old --out "$out" \
-    ${LAUNCHER_OLD_CUBINS:+--old-cubins "$LAUNCHER_OLD_CUBINS"} --tokens 1 --rounds 6 --budget 90
+    ${LAUNCHER_OLD_CUBINS:+--old-cubins "$LAUNCHER_OLD_CUBINS"} --tokens 1 --rounds 4 --budget 60
   tail -n 12 "$out/launcher-ab.txt"
 fi
 if has launcher || has launcher-tests; then

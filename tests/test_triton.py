@@ -356,10 +356,30 @@ def test_cluster_configuration_meets_at_the_cluster_barrier(tmp_path, monkeypatc
             == dataclasses.replace(
                 counterpart,
                 constexprs=tuple(
-                    sorted({**dict(counterpart.constexprs), "PHASE": dict(stage.constexprs)["PHASE"]}.items())
+                    sorted(
+                        {
+                            **dict(counterpart.constexprs),
+                            "PHASE": dict(stage.constexprs)["PHASE"],
+                            "PREFETCH": False,
+                        }.items()
+                    )
                 ),
             ).constexprs
         ), "the stages of the counterpart"
+
+
+def test_prefetch_only_at_few_tokens(tmp_path, monkeypatch):
+    """Up to plan.PREFETCH_MAX_T tokens the sync kernel asks L2 for every row a program reads
+    (R mailbox rows, NB blocks, prefix, norm, query: one prefetch.global.L2 each) before its
+    first load; above, and in the interpreter's stages, none."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    few, many = (plan.make(16, T, 8, 7168, **PRODUCTION, clusters=True) for T in (plan.PREFETCH_MAX_T, 64))
+    assert dict(few.launch.constexprs)["PREFETCH"] is True and dict(many.launch.constexprs)["PREFETCH"] is False
+    assert all(dict(stage.constexprs)["PREFETCH"] is False for stage in few.stages())
+    ptx = _compile_sm90(few.launch).asm["ptx"]
+    assert ptx.count("prefetch.global.L2") == 16 + 8 + 3
+    assert ptx.index("prefetch.global.L2") < ptx.index("ld.global")
+    assert "prefetch" not in _compile_sm90(many.launch).asm["ptx"]
 
 
 def test_sync_kernel_with_pdl_waits_before_reading(tmp_path, monkeypatch):

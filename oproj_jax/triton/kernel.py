@@ -587,6 +587,7 @@ def sync_kernel(
     RELOAD: tl.constexpr,
     PDL: tl.constexpr,
     CLUSTER: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Grid (C, T): chunk c of token t, its blocks as a [ROWS, BLOCK] tile and its new prefix p
     held in registers throughout (RELOAD: the blocks read again after barrier 1 instead).
@@ -601,7 +602,8 @@ def sync_kernel(
     on the same values, so the same bits). PDL: launched with programmatic dependent launch
     (sm_90 or newer). CLUSTER: a token's C programs launched as one thread block cluster, which
     store their records into each other's shared memory and meet at the cluster's barrier
-    instead (`stats` and `arrivals` unused): the same arithmetic, the same bits."""
+    instead (`stats` and `arrivals` unused): the same arithmetic, the same bits. PREFETCH: the
+    rows asked of L2 at entry and out_norm read then (plan.PREFETCH_MAX_T: few tokens only)."""
     if PDL:
         # The grid may start before the kernel ahead of it on the stream has finished; every read
         # waits for that kernel's end (its writes then visible), so only the launch overlaps.
@@ -618,10 +620,10 @@ def sync_kernel(
     T = tl.num_programs(1).to(tl.int64)
     offs = c * BLOCK + tl.arange(0, BLOCK)
     mask = offs < H
-    if PHASE == 0 and not RELOAD:
-        # Few programs a token, each waiting on its loads (RELOAD's launches have many, which hide
-        # the wait): every row it reads is asked of L2 first, since ptxas issues the loads
-        # themselves among the rank sum's arithmetic; out_norm is read now, not after barrier 2.
+    if PHASE == 0 and PREFETCH:
+        # Few programs in all, each waiting on its loads: every row it reads is asked of L2
+        # first, since ptxas issues the loads themselves among the rank sum's arithmetic; out_norm
+        # is read now, not after barrier 2.
         wide = c * BLOCK + tl.arange(0, BLOCK // 8) * 8
         inside = wide < H
         _prefetch(mailbox, R, T, t, H, wide, inside)  # [R, T, H]
@@ -688,7 +690,7 @@ def sync_kernel(
     if PHASE == 0 or PHASE == 3:
         lane = 2 * ROWS + 2 + tl.arange(0, 1)
         yy = tl.sum(_token_sum(stats, t, lane, CLUSTER, CHUNKS, SPAN, RECORD), axis=0)
-        if PHASE == 0 and not RELOAD:
+        if PHASE == 0 and PREFETCH:
             on = _widen(on_early)
         else:
             on = _widen(tl.load(out_norm + offs, mask=mask, other=0.0))

@@ -68,6 +68,10 @@ NUM_STAGES = 1  # no software-pipelined loops in these kernels
 # same arithmetic and the two launches give the same output bits too.
 ENABLE_FP_FUSION = False
 PDL_MIN_CAPABILITY = 90  # griddepcontrol (programmatic dependent launch) is sm_90 PTX
+# sync, up to this many tokens: every row a program reads asked of L2 at entry (kernel.py PREFETCH), where few
+# programs each wait on their loads: 4.60 / 5.33 us at T = 1 / 8 against 5.20 / 5.80 without (sync-1024-w4-cluster
+# on the H200); at T = 64 it cost (12.43 against 11.00), the extra L2 requests of 448 programs.
+PREFETCH_MAX_T = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,7 +237,7 @@ class Plan:
         barriers, one launch each (PHASE 1, 2, 3; no PDL there); otherwise the launch itself."""
         if self.launch.kernel != "sync_kernel":
             return (self.launch,)
-        constexprs = dict(self.launch.constexprs, PDL=False, CLUSTER=False)
+        constexprs = dict(self.launch.constexprs, PDL=False, CLUSTER=False, PREFETCH=False)
         return tuple(
             dataclasses.replace(
                 self.launch, constexprs=tuple(sorted({**constexprs, "PHASE": phase}.items())), pdl=False, cluster=0
@@ -281,6 +285,7 @@ def make(
     rows = max(2, _pow2(NB))
     span = dict(BLOCK=chosen.block, ROWS=rows, CHUNKS=chunks, SPAN=_pow2(chunks))
     whole = dict(shared, **span, POLLS=SYNC_POLLS, PHASE=0, RELOAD=chosen.reload, PDL=bool(pdl), CLUSTER=chosen.cluster)
+    whole |= dict(PREFETCH=T <= PREFETCH_MAX_T)
     kernel = dataclasses.replace(
         launch("sync_kernel", (chunks, T), whole, bool(pdl)),
         cluster=chunks if chosen.cluster else 0,
