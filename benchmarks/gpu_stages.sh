@@ -18,8 +18,6 @@
 #            mailboxes, one process (python -m oproj_jax.bench --decode-step)
 #   triton   the Triton kernel at each T: checks, torch CUDA-graph and JAX timings
 #            (benchmarks/triton_gpu.py)
-#   triton-record  the Triton record: 3 runs of triton_gpu.py, merged (benchmarks/triton_record.py:
-#            the median per T and launch); $TRITON_TOKENS (default 1,8,64,512,4096) the T to run
 #   launcher launcher-ab, then launcher-tests (each may also be named alone):
 #            launcher-ab: the host time per call at T=1 of this FFI launcher against the one in
 #            .dev/old (benchmarks/launch_ab.py; prepare .dev/old on a CPU machine with
@@ -102,15 +100,6 @@ fi
 if has triton; then
   stage triton 240 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/triton_gpu.py --out "$out"
   tail -n 30 "$out/triton.txt"
-fi
-if has triton-record; then
-  for i in 1 2 3; do
-    mkdir -p "$out/triton-run$i"
-    stage triton-run$i 150 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/triton_gpu.py --out "$out/triton-run$i" \
-      --tokens "${TRITON_TOKENS:-1,8,64,512,4096}" --budget 130 --buffers donated,rotated
-  done
-  python3 benchmarks/triton_record.py --out "$out/triton-record.json" "$out"/triton-run*/*.json
-  rm -rf "$out"/triton-run?
 fi
 if has launcher || has launcher-ab; then  # first, on a quiet machine
   # $LAUNCHER_OLD_CUBINS: a cubin set the old checkout accepts, where the kernel sources changed since

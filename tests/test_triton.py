@@ -15,8 +15,7 @@ argument errors. The GPU runs are tests/test_triton_gpu.py.
     jaxlib, are stand-ins), the prefix operand aliased to output 0 (and donated). Under vmap: a
     loop of calls.
   * the plan (the default rule, shapes, refusals), the PyTorch entry's argument errors,
-    testing.spread_tokens, benchmarks/triton_gpu.py as far as it runs without a GPU, and
-    benchmarks/triton_record.py's merge.
+    testing.spread_tokens, and benchmarks/triton_gpu.py as far as it runs without a GPU.
 """
 
 from __future__ import annotations
@@ -840,27 +839,6 @@ def test_benchmark_script_without_a_gpu_records_every_step_as_skipped(tmp_path):
     skipped = [r for r in records[1:] if r["kind"] == "skipped"]
     assert [(r["T"], r["variant"]) for r in skipped] == [(T, plan.default_variant(T, 7168)) for T in (1, 4096)]
     assert all("no CPU or interpret path" in r["reason"] for r in skipped)
-
-
-def test_record_script_merges_the_runs_per_tokens_and_launch():
-    """benchmarks/triton_record.py: one record per (T, backend, JAX launch), the median of the runs."""
-    script = benchmark_script("triton_record")
-    default = plan.default_variant(1, configs.HIDDEN)
-    timing = lambda backend, us, **launch: dict(
-        kind="timing", backend=backend, T=1, variant=default, us=us, us_kernels=None, **launch
-    )
-    runs = [
-        [
-            timing("triton", us, launch="library"),
-            timing("triton", us + 3, launch="jax_triton"),
-            timing("triton-torch", us),
-        ]
-        for us in (5.0, 4.0, 6.0)
-    ]
-    merged = {(r["backend"], r.get("launch")): r for r in script.merge(runs)}
-    assert set(merged) == {("triton", "library"), ("triton", "jax_triton"), ("triton-torch", None)}
-    assert merged["triton", "library"]["us"] == 5.0 and merged["triton", "library"]["us_runs"] == [5.0, 4.0, 6.0]
-    assert merged["triton", "jax_triton"]["us"] == 8.0 and merged["triton-torch", None]["record"] is True
 
 
 def test_spread_tokens_checks_a_sample_of_tokens():

@@ -557,7 +557,8 @@ def _consume(
     if twoshot:  # one GPU: the gather target is the gather row itself
         values.update(recv=b(n + 6), gather=b(n), me=me)
     else:
-        values.update(control=launch.NULL, own=launch.NULL, own_slot=0)  # no fail-stop words outside mode="peer"
+        # no fail-stop words outside mode="peer"; no own partial in the protocol (every slot is polled)
+        values.update(control=launch.NULL, own=launch.NULL, own_slot=0)
     kernel_launch = consumer_launch(
         kernel, tokens=dims.T, variant=(dims.R, dims.NB, opts.xmoe_replicas), ready=False, twoshot=twoshot, pdl=pdl,
         **values,
