@@ -428,10 +428,10 @@ def _put_record(record, c, lanes, values, mask, CLUSTER: tl.constexpr, CHUNKS: t
     in global memory at `record`, or (CLUSTER) in the exchange of every program of the cluster
     (one store per value and program: the tile gains a leading axis of programs)."""
     if CLUSTER:
-        peer = tl.arange(0, SPAN)[:, None, None, None]
-        offset = (c * RECORD + lanes - CHUNKS * RECORD)[None, :, :, :] * 4 + peer * 0
+        offset = ((c * RECORD + lanes - CHUNKS * RECORD) * 4)[None, :, :, :]
+        peer, offset = tl.broadcast(tl.arange(0, SPAN)[:, None, None, None], offset)
         ok = ((peer < CHUNKS) & mask[None, :, :, :]).to(tl.int32)
-        _exchange_put(tl.where(peer >= 0, values[None, :, :, :], 0.0), offset, peer + offset * 0, ok)
+        _exchange_put(tl.broadcast_to(values[None, :, :, :], peer.shape), offset, peer, ok)
     else:
         tl.store(record + lanes, values, mask=mask)
 
