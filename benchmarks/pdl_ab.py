@@ -9,6 +9,8 @@ machine fall on all arms alike):
   cute           backend="cute" as it is (PDL always), the yardstick;
   --variants     Triton configurations (plan.VARIANTS names) side by side, each an arm of
                  backend="triton" through the package's launch target (PDL on where it can).
+  --traced       cute and triton (the default configuration) beside themselves launched through
+                 the traced target at every T (ffi.RECORD_MAX_T = 0 while they are traced).
 Every arm's first call is checked against the oracle (JAX arms: bench's check; the PyTorch arms
 check themselves against torch_ref). One JSON list of records, written after every round.
 
@@ -18,6 +20,7 @@ check themselves against torch_ref). One JSON list of records, written after eve
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import statistics
@@ -36,6 +39,8 @@ def parse_args(argv):
     parser.add_argument("--reps", type=int, default=30, help="executions per chain length")
     parser.add_argument("--arms", default="pallas,triton,triton-torch,cute")
     parser.add_argument("--variants", default="", help="Triton configurations to time side by side, comma-separated")
+    parser.add_argument("--traced", action="store_true", help="cute and triton through the traced target too")
+    parser.add_argument("--buffers", default="donated", help="the chain's form (bench/timing.py BUFFERS)")
     parser.add_argument("--budget", type=float, default=400.0, help="seconds; no new round starts past it")
     args = parser.parse_args(argv)
     args.tokens = [int(t) for t in args.tokens.split(",")]
@@ -44,10 +49,27 @@ def parse_args(argv):
     return args
 
 
-def jax_arms(names, config, variants=()):
+@contextlib.contextmanager
+def traced(on: bool):
+    """While on, every call of the package's launch target traced and lowered names the traced
+    target (the arms labelled "traced": checked and timed inside it)."""
+    from oproj_jax.cute import backend as cute_backend
+    from oproj_jax.triton import library
+
+    saved = cute_backend.RECORD_MAX_T, library.RECORD_MAX_T
+    if on:
+        cute_backend.RECORD_MAX_T = library.RECORD_MAX_T = 0
+    try:
+        yield
+    finally:
+        cute_backend.RECORD_MAX_T, library.RECORD_MAX_T = saved
+
+
+def jax_arms(names, config, variants=(), with_traced=False):
     """(backend, label, jitted step) for the JAX arms; `variants`' labelled by name."""
     import jax
 
+    from oproj_jax import api
     from oproj_jax.bench import timing
     from oproj_jax.pallas import consumer as pallas_consumer
     from oproj_jax.triton import backend as triton_backend
@@ -66,6 +88,9 @@ def jax_arms(names, config, variants=()):
         arms.append(("triton", variant, jax.jit(functools.partial(triton_backend.launch, **options, variant=variant))))
     if "cute" in names:
         arms.append(("cute", "pdl", timing.consumer_step("cute", config)))
+    if with_traced:
+        for backend in ("cute", "triton"):
+            arms.append((backend, "traced", jax.jit(functools.partial(api.consumer, backend=backend, **options))))
     return arms
 
 
@@ -111,19 +136,21 @@ def main(argv=None) -> int:
         config = case.config
         k1, k2 = timing.chain_lengths(config, platform)
         pool = bench_inputs.DevicePool(case, k2, l2_bytes=timing.l2_bytes(platform))
-        arms = jax_arms(args.arms, config, args.variants)
+        arms = jax_arms(args.arms, config, args.variants, args.traced)
         for backend, label, step in arms:
-            err = check_jax(step, case)
+            with traced(label == "traced"):
+                err = check_jax(step, case)
             records.append(dict(kind="check", backend=backend, label=label, T=T, out_rel_l2=err, ok=True))
         for r in range(args.rounds):
             if time.time() - start > args.budget:
                 records.append(dict(kind="skipped", T=T, round=r, reason="out of time (--budget)"))
                 break
             for backend, label, step in arms:
-                t = timing.time_backend(
-                    f"{backend}_{label}".replace("-", "_"), pool, config, k1, k2, args.reps, r == 0,
-                    step=step, profile_single=False, buffers="donated",
-                )  # fmt: skip
+                with traced(label == "traced"):
+                    t = timing.time_backend(
+                        f"{backend}_{label}".replace("-", "_"), pool, config, k1, k2, args.reps, r == 0,
+                        step=step, profile_single=False, buffers=args.buffers,
+                    )  # fmt: skip
                 records.append(_record(backend, label, config, t, r, device))
             report.write_json(list(records), path)
         del pool

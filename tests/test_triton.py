@@ -325,28 +325,34 @@ def test_sync_kernel_barriers_as_compiled(tmp_path, monkeypatch):
         assert "atom." not in _compile_sm90(stage).asm["ptx"], dict(stage.constexprs)["PHASE"]
 
 
-def test_cluster_configuration_meets_at_the_cluster_barrier(tmp_path, monkeypatch):
-    """A sync configuration launched in clusters: its programs exchange their records through
-    the cluster's shared memory (stores at the peers' addresses, mapa; loads from their own,
-    past Triton's allocation: the launch asks for the exchange's bytes more) after one relaxed
-    arrival and wait that lets them write there, and meet at two of the cluster's barriers (every
-    thread arrives with release and waits with acquire); no atomic, no poll, no trap, no record
-    in global memory; the launch names clusters of its C = 7 programs and has no counters; the
-    interpreter's stages, none."""
+@pytest.mark.parametrize(("variant", "sends"), [("sync-1024-w4-cluster", 2), ("sync-1024-w2-cluster", 3)])
+def test_cluster_configuration_sends_its_records_to_the_peers_barriers(tmp_path, monkeypatch, variant, sends):
+    """A sync configuration launched in clusters: thread 0 makes two transaction barriers
+    (mbarrier, one per meeting) past Triton's shared memory (the launch asks for the exchange's
+    bytes more), fences them for the cluster, then one relaxed arrival and wait lets the programs
+    write into each other's shared memory; each sends its record to the peers with st.async
+    (indexed by thread: 6 peers x 18 lanes, one pass of 128 threads or two of 64, then y.y) and
+    waits on its own barrier for their bytes; no cluster barrier with release or acquire (no
+    fence waits for the prefix's stores), no atomic, no poll, no trap, no record in global memory;
+    the launch names clusters of its C = 7 programs and has no counters; the interpreter's
+    stages, none."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    clustered = plan.make(16, 3, 8, 7168, **PRODUCTION, variant="sync-1024-w4-cluster", clusters=True)
+    clustered = plan.make(16, 3, 8, 7168, **PRODUCTION, variant=variant, clusters=True)
     launch = clustered.launch
     assert launch.cluster == 7 and launch.grid == (7, 3) and dict(launch.constexprs)["CLUSTER"] is True
-    assert launch.exchange == 7 * (2 * 8 + 3) * 4
+    assert launch.exchange == 7 * (2 * 8 + 3) * 4 + 4 + 16  # the records to 8 bytes, two barriers
     assert clustered.arrivals_shape is None and clustered.stats_shape == (3, 7, 2 * 8 + 3)
     ptx = _compile_sm90(launch).asm["ptx"]
+    assert ptx.count("mbarrier.init.shared::cta.b64") == 2 and ptx.count("mbarrier.arrive.expect_tx") == 2
+    assert ptx.index("fence.mbarrier_init.release.cluster") < ptx.index("barrier.cluster.arrive.relaxed.aligned")
     assert ptx.count("barrier.cluster.arrive.relaxed.aligned") == 1 and ptx.count("barrier.cluster.wait.aligned") == 1
-    assert ptx.index("barrier.cluster.wait.aligned") < ptx.index("st.shared::cluster.f32")
-    assert ptx.count("barrier.cluster.arrive.release.aligned") == 2
-    assert ptx.count("barrier.cluster.wait.acquire.aligned") == 2
-    assert "mapa.shared::cluster.u32" in ptx and "%dynamic_smem_size" in ptx and "ld.shared.f32" in ptx
+    assert ptx.count("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32") == sends
+    assert ptx.index("barrier.cluster.wait.aligned") < ptx.index("st.async.shared::cluster")
+    assert "mbarrier.try_wait.parity.shared::cta.b64" in ptx and "mapa.shared::cluster.u32" in ptx
+    assert "barrier.cluster.arrive.release" not in ptx and "wait.acquire" not in ptx and "st.shared::cluster" not in ptx
+    assert "%dynamic_smem_size" in ptx and "ld.shared.f32" in ptx and "membar" not in ptx and "fence.acq_rel" not in ptx
     assert "atom." not in ptx and "trap;" not in ptx and "ld.global.cg" not in ptx and "st.global.b32" not in ptx
-    counterpart = plan.make(16, 3, 8, 7168, **PRODUCTION, variant="sync-1024-w4").launch
+    counterpart = plan.make(16, 3, 8, 7168, **PRODUCTION, variant=variant.replace("-cluster", "")).launch
     assert counterpart.cluster == 0 and dict(counterpart.constexprs)["CLUSTER"] is False
     for stage in clustered.stages():
         assert stage.cluster == 0 and dict(stage.constexprs)["CLUSTER"] is False
@@ -545,8 +551,10 @@ def test_library_lowering_names_a_stored_cubin_and_its_parameters(library_cache,
     assert attrs["block"] == (32 * launch.num_warps, 1, 1)
     assert attrs["cluster"] == ((launch.cluster, 1, 1) if launch.cluster else (0, 0, 0))
     assert launch.cluster == {None: 7, "sync-2048-w8-cluster": 4}.get(variant, 0), "sm_90: clusters"
-    assert launch.exchange == (launch.cluster * (2 * 8 + 3) * 4 if launch.cluster else 0)
+    # the records, from an 8-byte boundary, and two 8-byte barriers
+    assert launch.exchange == (-(-launch.cluster * (2 * 8 + 3) * 4 // 8) * 8 + 16 if launch.cluster else 0)
     assert attrs["smem"] >= launch.exchange, "the cluster's exchange past Triton's shared memory"
+    assert attrs["smem"] % 8 == 0, "the exchange's barriers 8-byte aligned from the end"
     assert attrs["grid"] == (*launch.grid, 1, 1)[:3]
     n_in = operands.count("%")
     zeroed = launch.kernel == "sync_kernel" and not launch.cluster
@@ -620,11 +628,13 @@ def test_unavailable_reasons_name_what_is_missing():
 
 
 def test_default_rule_with_clusters():
-    """Where the launch uses clusters: sync-1024-w4-cluster up to 64 tokens (7 programs a token at the
-    production H), sync-2048-w8-cluster where H needs more than 8 programs of 1024 columns, from 65
-    tokens sync-1024-w4-reload-cluster-r64, the rule without clusters past the programs' bound."""
-    by_t = [plan.default_variant(t, 7168, clusters=True) for t in (1, 8, 64, 65, 4096)]
-    assert by_t == ["sync-1024-w4-cluster"] * 3 + ["sync-1024-w4-reload-cluster-r64"] * 2
+    """Where the launch uses clusters: sync-1024-w4-cluster up to 32 tokens (7 programs a token at the
+    production H), sync-1024-w2-cluster up to 64, sync-2048-w8-cluster where H needs more than 8
+    programs of 1024 columns, from 65 tokens sync-1024-w4-reload-cluster-r64, the rule without
+    clusters past the programs' bound."""
+    by_t = [plan.default_variant(t, 7168, clusters=True) for t in (1, 32, 33, 64, 65, 4096)]
+    assert by_t == ["sync-1024-w4-cluster"] * 2 + ["sync-1024-w2-cluster"] * 2 + ["sync-1024-w4-reload-cluster-r64"] * 2
+    assert plan.default_variant(64, 8192, clusters=True) == "sync-1024-w2-cluster"  # 8 programs
     assert plan.default_variant(65, 8193, clusters=True) == plan.default_variant(65, 8193) == "sync-1024-w4-reload-r64"
     assert plan.default_variant(1, 8192, clusters=True) == "sync-1024-w4-cluster"  # 8 programs
     assert plan.default_variant(1, 8193, clusters=True) == "sync-2048-w8-cluster"
@@ -659,10 +669,11 @@ def test_default_rule_by_tokens():
         for H in (256, 7168, 16384, 16896, 32768):
             plan.make(16, T, 8, H, **PRODUCTION, variant=plan.default_variant(T, H))
     assert all(plan.VARIANTS[name].name == name for name in plan.VARIANTS)
-    # every configuration is one the rule takes at some shape
+    # every configuration is one the rule takes at some shape, or a cluster configuration's counterpart
     shapes = [(T, H) for T in (1, 64, 512, 65536) for H in (7168, 16384, 16896, 32769, 65537)]
     taken = {plan.default_variant(T, H, clusters) for T, H in shapes for clusters in (False, True)}
-    assert taken == set(plan.VARIANTS)
+    counterparts = {name.replace("-cluster", "") for name in taken if "-cluster" in name}
+    assert taken | counterparts == set(plan.VARIANTS) and "sync-1024-w2" in counterparts - taken
 
 
 def test_plan_shapes():

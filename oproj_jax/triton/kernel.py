@@ -15,9 +15,9 @@ constexpr. Offsets are int64 (R * T * H overflows int32 at large T).
                      in global memory (arrival counters, zero at launch and left at zero): after the dot
                      products and squares of their chunks (for the weights), after y.y (for
                      the output scale); each keeps its blocks and prefix in registers. With
-                     CLUSTER, launched in thread block clusters of its C programs, they pass
-                     their records through the cluster's shared memory and meet at its
-                     barrier instead (no counters, no records in global memory).
+                     CLUSTER, launched in thread block clusters of its C programs, they send
+                     their records into each other's shared memory and each waits for the
+                     bytes it expects instead (no counters, no records in global memory).
 
 Which kernel runs, and its launch parameters: plan.py.
 
@@ -336,27 +336,9 @@ def tile_kernel(
 
 
 @triton.jit
-def _cluster_barrier():
-    """The barrier of a launch whose token's programs form one thread block cluster (sm_90 and
-    newer): every thread arrives, releasing its earlier stores at cluster scope, and waits for
-    all of the cluster's, acquiring theirs; no counter, nothing left behind. bar.sync around it
-    keeps the compiler from moving memory accesses across it."""
-    tl.debug_barrier()
-    tl.inline_asm_elementwise(
-        "barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n\tmov.u32 $0, 0;",
-        "=r",
-        [],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-    tl.debug_barrier()
-
-
-@triton.jit
 def _cluster_arrive():
-    """The first arrival at the cluster's barrier (relaxed: it orders nothing), paired with
-    _cluster_wait before the first store into a peer's shared memory."""
+    """The program's arrival at the cluster's barrier (relaxed: it orders nothing but the
+    exchange's barriers fenced before it), paired with _cluster_wait before the first send."""
     tl.inline_asm_elementwise(
         "barrier.cluster.arrive.relaxed.aligned;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
     )
@@ -373,67 +355,128 @@ def _cluster_wait():
 
 # The cluster's exchange: each program's records live in the last CHUNKS * RECORD f32 of its
 # dynamic shared memory, past what Triton allocates (the launchers add plan.Launch.exchange
-# bytes), addressed from the end (global_smem + %dynamic_smem_size) so that no offset depends on
-# Triton's own layout. A program stores its record into every program of the cluster
-# (st.shared::cluster at the peer's address, mapa) and, after the cluster's barrier, reads all of
-# them from its own shared memory.
+# bytes), after two transaction barriers (mbarrier, one per meeting), all addressed from the end
+# (global_smem + %dynamic_smem_size) so that no offset depends on Triton's own layout. A program
+# stages its record in its own slot, sends it into the same slot of every other program of the
+# cluster (st.async at the peer's address, mapa), each store counting its bytes at the peer's
+# barrier, and reads all of them from its own shared memory once its own barrier has counted
+# every byte it expects: no fence and no cluster barrier between the sums (a release at cluster
+# scope waits for every store in flight, the prefix's to global memory included).
 
 
-@triton.jit
-def _exchange_put(values, offset, peer, ok):
-    """Stores each of `values` (f32) into program `peer`'s exchange at byte `offset` from its end
-    (negative), where `ok` is nonzero."""
-    return tl.inline_asm_elementwise(
-        """{ .reg .u32 xb, xs, xa, xr; .reg .pred xp;
-        mov.u32 xb, global_smem;
-        mov.u32 xs, %dynamic_smem_size;
-        add.u32 xa, xb, xs;
-        add.u32 xa, xa, $2;
-        mapa.shared::cluster.u32 xr, xa, $3;
-        setp.ne.s32 xp, $4, 0;
-        @xp st.shared::cluster.f32 [xr], $1;
-        mov.u32 $0, 0; }""",
-        "=r,f,r,r,r",
-        [values, offset, peer, ok],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
+def _at_end(registers: str, body: str) -> tl.constexpr:
+    """Inline PTX whose shared-memory addresses count from the end of the dynamic shared memory:
+    `body` finds it in xe (global_smem + %dynamic_smem_size); `registers` declares its own."""
+    prologue = "mov.u32 xb, global_smem;\n\tmov.u32 xs, %dynamic_smem_size;\n\tadd.u32 xe, xb, xs;"
+    return tl.constexpr(f"{{ .reg .u32 xb, xs, xe; {registers}\n\t{prologue}\n\t{body} }}")
+
+
+_GET = _at_end(
+    ".reg .u32 xa; .reg .pred xp;",
+    "add.u32 xa, xe, $1; setp.ne.s32 xp, $2, 0; mov.f32 $0, 0f00000000; @xp ld.shared.f32 $0, [xa];",
+)
+_INIT = _at_end(
+    ".reg .u32 xa, xt; .reg .b64 xz; .reg .pred xp;",
+    """add.u32 xa, xe, $1;
+        mov.u32 xt, %tid.x;
+        setp.eq.u32 xp, xt, 0;
+        @xp mbarrier.init.shared::cta.b64 [xa], 1;
+        @xp mbarrier.init.shared::cta.b64 [xa+8], 1;
+        @xp mbarrier.arrive.expect_tx.shared::cta.b64 xz, [xa], $2;
+        @xp mbarrier.arrive.expect_tx.shared::cta.b64 xz, [xa+8], $3;
+        @xp fence.mbarrier_init.release.cluster;
+        mov.u32 $0, 0;""",
+)
+_STAGE = _at_end(
+    ".reg .u32 xa; .reg .pred xp;",
+    "add.u32 xa, xe, $2; setp.ne.s32 xp, $3, 0; @xp st.shared.f32 [xa], $1; mov.u32 $0, 0;",
+)
+_SEND = _at_end(
+    ".reg .u32 xi, xk, xl, xq, xa, xr, xm, xw; .reg .pred xp, xg;",
+    """mov.u32 xi, %tid.x;
+        add.u32 xi, xi, $1;
+        setp.lt.u32 xp, xi, $2;
+        div.u32 xk, xi, $3;
+        mul.lo.u32 xl, xk, $3;
+        sub.u32 xl, xi, xl;
+        setp.ge.u32 xg, xk, $4;
+        selp.u32 xq, 1, 0, xg;
+        add.u32 xq, xk, xq;
+        shl.b32 xl, xl, 2;
+        add.u32 xa, xe, $5;
+        add.u32 xa, xa, xl;
+        add.u32 xm, xe, $6;
+        @xp ld.shared.b32 xw, [xa];
+        @xp mapa.shared::cluster.u32 xr, xa, xq;
+        @xp mapa.shared::cluster.u32 xm, xm, xq;
+        @xp st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [xr], xw, [xm];
+        mov.u32 $0, 0;""",
+)
+_ARRIVED = _at_end(
+    ".reg .u32 xa; .reg .pred xp;",
+    "add.u32 xa, xe, $1; mbarrier.try_wait.parity.shared::cta.b64 xp, [xa], 0; selp.u32 $0, 1, 0, xp;",
+)
 
 
 @triton.jit
 def _exchange_get(offset, ok):
     """The f32 at byte `offset` from the end of this program's exchange, 0.0 where `ok` is zero."""
-    return tl.inline_asm_elementwise(
-        """{ .reg .u32 xb, xs, xa; .reg .pred xp;
-        mov.u32 xb, global_smem;
-        mov.u32 xs, %dynamic_smem_size;
-        add.u32 xa, xb, xs;
-        add.u32 xa, xa, $1;
-        setp.ne.s32 xp, $2, 0;
-        mov.f32 $0, 0f00000000;
-        @xp ld.shared.f32 $0, [xa]; }""",
-        "=f,r,r",
-        [offset, ok],
-        dtype=tl.float32,
-        is_pure=False,
-        pack=1,
-    )
+    return tl.inline_asm_elementwise(_GET, "=f,r,r", [offset, ok], dtype=tl.float32, is_pure=False, pack=1)
 
 
 @triton.jit
-def _put_record(record, c, lanes, values, mask, CLUSTER: tl.constexpr, CHUNKS: tl.constexpr, SPAN: tl.constexpr,
-                RECORD: tl.constexpr):  # fmt: skip
-    """Lanes `lanes` of chunk c's record := `values` where `mask` (three tiles of one 3-D shape):
-    in global memory at `record`, or (CLUSTER) in the exchange of every program of the cluster
-    (one store per value and program: the tile gains a leading axis of programs)."""
+def _put_record(record, c, lanes, values, mask, CLUSTER: tl.constexpr, CHUNKS: tl.constexpr, RECORD: tl.constexpr):
+    """Lanes `lanes` of chunk c's record := `values` where `mask` (tiles of one shape): in global
+    memory at `record`, or (CLUSTER) staged in this program's exchange (_exchange sends it)."""
     if CLUSTER:
-        offset = ((c * RECORD + lanes - CHUNKS * RECORD) * 4)[None, :, :, :]
-        peer, offset = tl.broadcast(tl.arange(0, SPAN)[:, None, None, None], offset)
-        ok = ((peer < CHUNKS) & mask[None, :, :, :]).to(tl.int32)
-        _exchange_put(tl.broadcast_to(values[None, :, :, :], peer.shape), offset, peer, ok)
+        _stage(values, (c * RECORD + lanes - CHUNKS * RECORD) * 4, mask.to(tl.int32))
     else:
         tl.store(record + lanes, values, mask=mask)
+
+
+@triton.jit
+def _exchange_init(bars, bytes0, bytes1):
+    """Thread 0 makes the exchange's two transaction barriers (at byte `bars` from the end, 8
+    bytes each), each expecting `bytes0` / `bytes1` bytes of the peers' records, and fences them
+    for the cluster: call before the program's first arrival at the cluster's barrier."""
+    return tl.inline_asm_elementwise(_INIT, "=r,r,r,r", [bars, bytes0, bytes1], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _stage(values, offset, ok):
+    """Stores each of `values` (f32) into this program's exchange at byte `offset` from its end,
+    where `ok` is nonzero (a value held by several threads is stored by each, the same bits)."""
+    return tl.inline_asm_elementwise(_STAGE, "=r,f,r,r", [values, offset, ok], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _send(first, count, lanes, c, offset, bar):
+    """Item `first` + thread index, if below `count`: lane i % `lanes` of this program's staged
+    record (at byte `offset` from the end) sent to the same place in the cluster's program k + (k
+    >= c), k = i / `lanes`, by st.async, whose bytes complete that program's barrier at `bar`.
+    Indexed by thread, so every item is sent exactly once (the barrier counts bytes)."""
+    args = [first, count, lanes, c, offset, bar]
+    return tl.inline_asm_elementwise(_SEND, "=r,r,r,r,r,r,r", args, dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _arrived(bar):
+    """1 once the transaction barrier at byte `bar` from the end has received its bytes."""
+    return tl.inline_asm_elementwise(_ARRIVED, "=r,r", [bar], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _exchange(c, bar, LANE0: tl.constexpr, LANES: tl.constexpr, CHUNKS: tl.constexpr, RECORD: tl.constexpr):
+    """Lanes LANE0 .. LANE0 + LANES - 1 of this program's staged record sent to the cluster's
+    other programs; returns once theirs have arrived here (the barrier at `bar`)."""
+    tl.debug_barrier()  # the record is staged by every thread
+    COUNT: tl.constexpr = (CHUNKS - 1) * LANES
+    THREADS: tl.constexpr = tl_cuda.num_threads()
+    for first in tl.static_range(0, COUNT, THREADS):
+        _send(first + 0 * c, COUNT + 0 * c, LANES + 0 * c, c, (c * RECORD + LANE0 - CHUNKS * RECORD) * 4, bar + 0 * c)
+    done = _arrived(bar + 0 * c)
+    while done == 0:
+        done = _arrived(bar + 0 * c)
 
 
 @triton.jit
@@ -601,9 +644,9 @@ def sync_kernel(
     barrier): 2 and 3 read p back from the stored prefix, 3 recomputes y (the same operations
     on the same values, so the same bits). PDL: launched with programmatic dependent launch
     (sm_90 or newer). CLUSTER: a token's C programs launched as one thread block cluster, which
-    store their records into each other's shared memory and meet at the cluster's barrier
-    instead (`stats` and `arrivals` unused): the same arithmetic, the same bits. PREFETCH: the
-    rows asked of L2 at entry and out_norm read then (plan.PREFETCH_MAX_T: few tokens only)."""
+    send their records into each other's shared memory and wait for the peers' there instead
+    (`stats` and `arrivals` unused): the same arithmetic, the same bits. PREFETCH: the
+    rows asked of L2 at entry (plan.PREFETCH_MAX_T: few tokens only)."""
     if PDL:
         # The grid may start before the kernel ahead of it on the stream has finished; every read
         # waits for that kernel's end (its writes then visible), so only the launch overlaps.
@@ -612,10 +655,14 @@ def sync_kernel(
         # are all on the GPU by then.
         tl_cuda.gdc_wait()
         tl_cuda.gdc_launch_dependents()
-    if CLUSTER:
-        _cluster_arrive()
     RECORD: tl.constexpr = 2 * ROWS + 3
+    # the exchange's two transaction barriers, before its records (plan.exchange_bytes)
+    BARS: tl.constexpr = -((CHUNKS * RECORD * 4 + 7) // 8 * 8 + 16)
     c = tl.program_id(0)
+    if CLUSTER:
+        # the two meetings' bytes from the C - 1 peers: 2 * ROWS + 2 lanes, then y.y
+        _exchange_init(BARS + 0 * c, (CHUNKS - 1) * (2 * ROWS + 2) * 4 + 0 * c, (CHUNKS - 1) * 4 + 0 * c)
+        _cluster_arrive()
     t = tl.program_id(1).to(tl.int64)
     T = tl.num_programs(1).to(tl.int64)
     offs = c * BLOCK + tl.arange(0, BLOCK)
@@ -632,15 +679,19 @@ def sync_kernel(
             _prefetch(prefix_in, 1, 1, t, H, wide, inside)
         _prefetch(norm, 1, 1, 0, H, wide, inside)
         _prefetch(query, 1, 1, 0, H, wide, inside)
+    if PHASE == 0 and not RELOAD:
+        # read now, not after barrier 2: no load waits at the end (RELOAD keeps its registers)
         on_early = tl.load(out_norm + offs, mask=mask, other=0.0)
     j = tl.arange(0, ROWS)
     record = stats + (t * CHUNKS + c) * RECORD
     b = _block_tile(blocks, t, j, offs, mask, NB, H)
     if PHASE <= 1:
+        # every load before the prefix store: the compiler cannot move a load across a store
+        # (prefix_out may alias an input), and a load after it would wait on its own
+        w = _weights(norm, query, offs, mask)
         p_bits = _new_prefix(mailbox, prefix_in, t, T, offs, mask, R, H, GROUPS, HAS_DELTA)
         tl.store(prefix_out + t * H + offs, _as_bf16(p_bits), mask=mask)
         p = _as_f32(p_bits)
-        w = _weights(norm, query, offs, mask)
         # one reduction: p's products ride in row 0 of two more [ROWS, BLOCK] tiles
         first = (j == 0)[:, None]
         dots, squares, p_dot, p_square = tl.reduce(
@@ -658,13 +709,13 @@ def sync_kernel(
         _put_record(
             record, c, tl.where(v == 0, u * ROWS + jj, 2 * ROWS + u),
             tl.join(tl.join(dots, squares), tl.join(p_dot, p_square)), tl.where(v == 0, jj < NB, jj == 0),
-            CLUSTER, CHUNKS, SPAN, RECORD,
+            CLUSTER, CHUNKS, RECORD,
         )  # fmt: skip
     else:
         p = _widen(tl.load(prefix_out + t * H + offs, mask=mask, other=0.0))
     if PHASE == 0:
         if CLUSTER:
-            _cluster_barrier()
+            _exchange(c, BARS, 0, 2 * ROWS + 2, CHUNKS, RECORD)
         else:
             _arrive_and_wait(arrivals + 2 * t, CHUNKS, POLLS)
     if PHASE != 1:
@@ -681,16 +732,16 @@ def sync_kernel(
     if PHASE == 0 or PHASE == 2:
         lane = tl.full([1, 1, 1], 2 * ROWS + 2, tl.int32)
         yy = tl.full([1, 1, 1], 0.0, tl.float32) + tl.sum(y * y, axis=0)  # y.y >= 0: adding +0.0 keeps its bits
-        _put_record(record, c, lane, yy, lane >= 0, CLUSTER, CHUNKS, SPAN, RECORD)
+        _put_record(record, c, lane, yy, lane >= 0, CLUSTER, CHUNKS, RECORD)
     if PHASE == 0:
         if CLUSTER:
-            _cluster_barrier()
+            _exchange(c, BARS + 8, 2 * ROWS + 2, 1, CHUNKS, RECORD)
         else:
             _arrive_and_wait(arrivals + 2 * t + 1, CHUNKS, POLLS)
     if PHASE == 0 or PHASE == 3:
         lane = 2 * ROWS + 2 + tl.arange(0, 1)
         yy = tl.sum(_token_sum(stats, t, lane, CLUSTER, CHUNKS, SPAN, RECORD), axis=0)
-        if PHASE == 0 and PREFETCH:
+        if PHASE == 0 and not RELOAD:
             on = _widen(on_early)
         else:
             on = _widen(tl.load(out_norm + offs, mask=mask, other=0.0))

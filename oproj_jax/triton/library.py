@@ -129,7 +129,7 @@ def lower(launch: launch_plan.Launch, arrays, out_shape, aliases, zeroed, comput
         grid=(*launch.grid, 1, 1)[:3],
         block=(image.block, 1, 1),
         cluster=(launch.cluster, 1, 1) if launch.cluster else ffi_launch.NO_CLUSTER,
-        smem=image.smem + launch.exchange,
+        smem=launch.dynamic_smem(image.smem),
         pdl=bool(launch.pdl),
         params=tuple(params),
     )

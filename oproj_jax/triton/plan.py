@@ -15,10 +15,10 @@ Configurations (kernel.py has the kernels), named kind-columns-warps:
                   Triton's interpreter runs it as three launches, the stretches between the
                   barriers.
   sync-*-cluster  the same, a token's programs launched as one thread block cluster (on
-                  CLUSTER_CAPABILITIES, C <= CLUSTER_MAX), passing their records through the
-                  cluster's shared memory and meeting at its barrier: no arrival counters,
-                  nothing in global memory, the same bits as its counterpart without clusters;
-                  the default there (CLUSTERED).
+                  CLUSTER_CAPABILITIES, C <= CLUSTER_MAX), sending their records into each
+                  other's shared memory, each waiting for the bytes it expects: no arrival
+                  counters, nothing in global memory, the same bits as its counterpart without
+                  clusters; the default there (CLUSTERED).
   sync-*-reload   the same, but the blocks are read again after the first barrier (from L1 or
                   L2, where the first read left them) instead of held in registers across it:
                   fewer registers a thread, more programs per SM.
@@ -58,8 +58,8 @@ SYNC_MAX_TOKENS = 65535
 # sync-*-cluster: a token's programs form one thread block cluster; 8 is the portable bound (16 needs
 # the non-portable attribute, which Triton's own launcher sets only for 16)
 CLUSTER_MAX = 8
-# Where the launchers use the cluster configurations (thread block clusters and barrier.cluster are
-# sm_90 PTX): the compute capabilities they are measured on; other GPUs keep the arrival counters
+# Where the launchers use the cluster configurations (thread block clusters, st.async and mbarrier
+# transactions are sm_90 PTX): the compute capabilities they are measured on; other GPUs keep the arrival counters
 # until the cluster configurations have run there.
 CLUSTER_CAPABILITIES = frozenset({90})
 NUM_STAGES = 1  # no software-pipelined loops in these kernels
@@ -116,17 +116,26 @@ WIDE_ROW = Variant("tile", 0, 512, 8)  # ROW's place where H > ROW_MAX_H: two pa
 # Where the launch can use thread block clusters (CLUSTER_CAPABILITIES): the first of these whose bound on T holds
 # and that fits H (at most CLUSTER_MAX programs a token: 7 and 4 at H = 7168), else the rule above. The cluster's
 # exchange (kernel.py) replaces the arrival counters and the records in global memory, at the same bits. Measured on
-# the H200 (docs/perf.md, "The Triton kernel"): sync-1024-w4-cluster 5.3 / 5.6 / 11.1 us at T = 1 / 8 / 64 against
-# 6.2 / 7.4 / 12.3 for sync-1024-w4; from T = 512 on the blocks read again after the first barrier and 64 registers
-# (as BY_TOKENS's last entry, 8 programs per SM): 60.2 / 389 us at T = 512 / 4096 against 66.4 / 417 with counters.
+# the H200 (docs/perf.md, "The Triton kernel"; pipelined): four warps 4.29 / 4.71 / 6.09 / 7.36 us at T = 1 / 8 / 16
+# / 32, two warps 6.45 / 6.51 / 7.47 / 8.14 there; at T = 64 two warps 9.95 (twice the programs per SM) against 10.56
+# for four; from T = 512 on the blocks read again after the first barrier and 64 registers (as BY_TOKENS's last
+# entry, 8 programs per SM): 58.8 / 393 us at T = 512 / 4096.
 CLUSTERED = (
-    (64, Variant("sync", 1024, 0, 4, cluster=True)),
+    (32, Variant("sync", 1024, 0, 4, cluster=True)),
+    (64, Variant("sync", 1024, 0, 2, cluster=True)),
     (64, Variant("sync", 2048, 0, 8, cluster=True)),
     (math.inf, Variant("sync", 1024, 0, 4, reload=True, max_registers=64, cluster=True)),
 )
-# Every configuration the rule takes, by name. The launchers' `variant` parameter names one in place of the rule's choice:
+# Every configuration the rule takes, by name, and each cluster configuration's counterpart without clusters (the
+# tests hold the two to the same bits). The launchers' `variant` parameter names one in place of the rule's choice:
 # the tests need it to run the row and tile kernels and the other sync configurations.
-VARIANTS = {v.name: v for v in (*(v for _, v in BY_TOKENS), *WIDER_SYNC, ROW, WIDE_ROW, *(v for _, v in CLUSTERED))}
+VARIANTS = {
+    v.name: v
+    for v in (
+        *(v for _, v in BY_TOKENS), *WIDER_SYNC, ROW, WIDE_ROW,
+        *(v for _, v in CLUSTERED), *(dataclasses.replace(v, cluster=False) for _, v in CLUSTERED),
+    )
+}  # fmt: skip
 
 
 def default_variant(T: int, H: int, clusters: bool = False) -> str:
@@ -216,6 +225,12 @@ class Launch:
     # (kernel.py, "The cluster's exchange"), which the launchers add to Triton's `shared`
     exchange: int = 0
 
+    def dynamic_smem(self, shared: int) -> int:
+        """The launch's dynamic shared memory where the compiled kernel uses `shared` bytes: those,
+        to an 8-byte boundary (the exchange's barriers are 8-byte words, addressed from the end),
+        then the exchange."""
+        return -(-shared // 8) * 8 + self.exchange if self.exchange else shared
+
     def options(self) -> dict:
         """The compile options both launchers pass (their defaults differ otherwise)."""
         options = dict(num_warps=self.num_warps, num_stages=NUM_STAGES, enable_fp_fusion=ENABLE_FP_FUSION)
@@ -244,6 +259,12 @@ class Plan:
             )
             for phase in (1, 2, 3)
         )
+
+
+def exchange_bytes(chunks: int, rows: int) -> int:
+    """The cluster's exchange (kernel.py): two 8-byte transaction barriers, then the C records of
+    2 * rows + 3 f32, from an 8-byte boundary (the kernel addresses them from the end)."""
+    return (chunks * (2 * rows + 3) * 4 + 7) // 8 * 8 + 16
 
 
 @functools.lru_cache(maxsize=256)  # eager PyTorch calls ask for the same plan again and again
@@ -289,7 +310,7 @@ def make(
     kernel = dataclasses.replace(
         launch("sync_kernel", (chunks, T), whole, bool(pdl)),
         cluster=chunks if chosen.cluster else 0,
-        exchange=chunks * (2 * rows + 3) * 4 if chosen.cluster else 0,
+        exchange=exchange_bytes(chunks, rows) if chosen.cluster else 0,
     )
     return Plan(
         chosen, kernel, stats_shape=(T, chunks, 2 * rows + 3), arrivals_shape=None if chosen.cluster else (T, 2)

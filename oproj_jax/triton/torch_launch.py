@@ -208,7 +208,7 @@ def _run_clustered(fn, launch: launch_plan.Launch, tensors) -> None:
         gz,
         stream,
         compiled.function,
-        (num_warps, launch.cluster, shared + launch.exchange),
+        (num_warps, launch.cluster, launch.dynamic_smem(shared)),
         None,
         None,
         None,
