@@ -669,8 +669,7 @@ def sync_kernel(
     mask = offs < H
     if PHASE == 0 and PREFETCH:
         # Few programs in all, each waiting on its loads: every row it reads is asked of L2
-        # first, since ptxas issues the loads themselves among the rank sum's arithmetic; out_norm
-        # is read now, not after barrier 2.
+        # first, since ptxas issues the loads themselves among the rank sum's arithmetic.
         wide = c * BLOCK + tl.arange(0, BLOCK // 8) * 8
         inside = wide < H
         _prefetch(mailbox, R, T, t, H, wide, inside)  # [R, T, H]
