@@ -2,7 +2,8 @@
 # GPU work in bounded stages; pick the stages that fit one device call (10 minutes):
 #   checks   the whole test suite (-n 8) || the wheel in .whl/ installed with pip and its GPU
 #            tests (every prebuilt cubin of the family, the contract, autodiff, backend choice)
-#            || with `sanitize` compute-sanitizer (benchmarks/sanitize.sh; after kernel changes), in parallel
+#            || with `sanitize` compute-sanitizer (benchmarks/sanitize.sh; after kernel changes), in parallel;
+#            then its initcheck alone
 #   record   the benchmark of record on GPU 0 (benchmarks/record.py: the chain slopes of
 #            $RECORD_BACKENDS (default cute,pallas) in every form in 3 processes, median; the decode
 #            step of $DECODE_BACKENDS (default cute) at $DECODE_TOKENS (default 1,64; empty: none)
@@ -49,11 +50,13 @@ if has checks; then
   stage tests 400 python3 -m pytest -q -p no:cacheprovider -rfEx --tb=short -n 8 --dist loadfile &
   if has sanitize; then
     mkdir -p "$out/sanitize"
-    bash benchmarks/sanitize.sh "$out/sanitize" 330 > "$out/sanitize.txt" 2>&1 &
+    bash benchmarks/sanitize.sh "$out/sanitize" 330 "memcheck racecheck synccheck" > "$out/sanitize.txt" 2>&1 &
   fi
   [ -d .whl ] && stage wheel 330 bash benchmarks/wheel_check.sh &
   wait
   if has sanitize; then
+    # initcheck alone on the GPU (sanitize.sh says why)
+    bash benchmarks/sanitize.sh "$out/sanitize" 150 initcheck >> "$out/sanitize.txt" 2>&1
     # one file for the four sanitizer logs (the device tool returns a few files per call)
     for f in "$out"/sanitize/sanitize-*.txt; do echo "##### $f"; head -c 20000 "$f"; echo; done >> "$out/sanitize.txt"
     rm -rf "$out/sanitize"

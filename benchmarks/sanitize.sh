@@ -13,7 +13,7 @@
 #                         jitted call through the package's launch target (graph node), PDL
 #                         launches on counters kept from call to call
 # One process per tool (memcheck, racecheck, synccheck, initcheck) and per group (the cute and
-# Pallas kernels; the Triton sync kernel), the eight in parallel, each
+# Pallas kernels; the Triton sync kernel), in parallel but initcheck (alone, below), each
 # bounded in time; memcheck, racecheck and synccheck instrument only our kernels (--kernel-name,
 # by name substring), so XLA's own kernels neither slow them down nor enter their reports;
 # initcheck instruments every kernel (see below). Host API errors are not
@@ -81,13 +81,21 @@ sanitize() {  # sanitize TOOL NAME SELECT TESTS...: one bounded compute-sanitize
   verdict=$(grep -E "[0-9]+ (passed|failed)" "$out/sanitize-$name.txt" | tail -n 1)
   echo "== $name: rc=$rc ($((SECONDS - t0)) s) ${summary:-no summary line} | pytest: ${verdict:-no result line}"
 }
-for tool in $tools; do
-  ours=$filter triton="--kernel-name kns=sync_kernel"
+run_tool() {  # run_tool TOOL: the tool over every group, the groups in parallel
+  local tool=$1 ours=$filter triton="--kernel-name kns=sync_kernel"
   # initcheck tracks which bytes were written; memory our kernels read was written by XLA's
   # kernels (the inputs, zeroed flags), so every kernel is instrumented there, not only ours
   [ "$tool" = initcheck ] && ours="" triton=""
   [[ " $groups " == *" ours "* ]] && sanitize "$tool" "$tool" "$ours" "${tests[@]}" &
   [[ " $groups " == *" triton "* ]] && sanitize "$tool" "triton-$tool" "$triton" "${triton_tests[@]}" &
   [[ " $groups " == *" pallas "* ]] && sanitize "$tool" "pallas-$tool" "$ours" "${pallas_tests[@]}" &
+  wait
+}
+for tool in $tools; do
+  [ "$tool" != initcheck ] && run_tool "$tool" &
 done
 wait
+# initcheck after the others, its groups one at a time: beside another sanitized process on the
+# GPU it can miss the host-to-device copy of one input of a process and then report every read of
+# that input as uninitialized (docs/perf.md, "Sanitizer")
+[[ " $tools " == *" initcheck "* ]] && for group in $groups; do groups=$group run_tool initcheck; done

@@ -625,6 +625,8 @@ def sync_kernel(
     ROWS: tl.constexpr,
     CHUNKS: tl.constexpr,
     SPAN: tl.constexpr,
+    RECORD: tl.constexpr,
+    EXCHANGE: tl.constexpr,
     POLLS: tl.constexpr,
     PHASE: tl.constexpr,
     RELOAD: tl.constexpr,
@@ -634,8 +636,9 @@ def sync_kernel(
 ):
     """Grid (C, T): chunk c of token t, its blocks as a [ROWS, BLOCK] tile and its new prefix p
     held in registers throughout (RELOAD: the blocks read again after barrier 1 instead).
-    `stats` holds a record of 2 * ROWS + 3 f32 lanes per chunk: the blocks' dots b_j.w (lanes j) and squares b_j.b_j (ROWS + j), p.w and p.p (2 * ROWS,
-    2 * ROWS + 1), y.y (2 * ROWS + 2), over the chunk's columns; `arrivals` ([T, 2] int32) the
+    `stats` holds a record of RECORD = 2 * ROWS + 3 f32 lanes per chunk (plan.record_lanes): the blocks' dots
+    b_j.w (lanes j) and squares b_j.b_j (ROWS + j), p.w and p.p (2 * ROWS, 2 * ROWS + 1), y.y (2 * ROWS + 2), over
+    the chunk's columns; `arrivals` ([T, 2] int32) the
     two barriers' arrival counters, zero at launch (and at exit). The weights need every chunk's dots and
     squares (barrier 1), the output scale every chunk's y.y (barrier 2).
 
@@ -645,7 +648,8 @@ def sync_kernel(
     on the same values, so the same bits). PDL: launched with programmatic dependent launch
     (sm_90 or newer). CLUSTER: a token's C programs launched as one thread block cluster, which
     send their records into each other's shared memory and wait for the peers' there instead
-    (`stats` and `arrivals` unused): the same arithmetic, the same bits. PREFETCH: the
+    (`stats` and `arrivals` unused): the same arithmetic, the same bits; EXCHANGE: the bytes of
+    that exchange past the kernel's own shared memory (plan.exchange_bytes). PREFETCH: the
     rows asked of L2 at entry (plan.PREFETCH_MAX_T: few tokens only)."""
     if PDL:
         # The grid may start before the kernel ahead of it on the stream has finished; every read
@@ -655,9 +659,7 @@ def sync_kernel(
         # are all on the GPU by then.
         tl_cuda.gdc_wait()
         tl_cuda.gdc_launch_dependents()
-    RECORD: tl.constexpr = 2 * ROWS + 3
-    # the exchange's two transaction barriers, before its records (plan.exchange_bytes)
-    BARS: tl.constexpr = -((CHUNKS * RECORD * 4 + 7) // 8 * 8 + 16)
+    BARS: tl.constexpr = -EXCHANGE  # the exchange's two transaction barriers, at its start
     c = tl.program_id(0)
     if CLUSTER:
         # the two meetings' bytes from the C - 1 peers: 2 * ROWS + 2 lanes, then y.y

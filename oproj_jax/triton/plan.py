@@ -252,19 +252,29 @@ class Plan:
         barriers, one launch each (PHASE 1, 2, 3; no PDL there); otherwise the launch itself."""
         if self.launch.kernel != "sync_kernel":
             return (self.launch,)
-        constexprs = dict(self.launch.constexprs, PDL=False, CLUSTER=False, PREFETCH=False)
+        constexprs = dict(self.launch.constexprs, PDL=False, CLUSTER=False, EXCHANGE=0, PREFETCH=False)
         return tuple(
             dataclasses.replace(
-                self.launch, constexprs=tuple(sorted({**constexprs, "PHASE": phase}.items())), pdl=False, cluster=0
+                self.launch,
+                constexprs=tuple(sorted({**constexprs, "PHASE": phase}.items())),
+                pdl=False,
+                cluster=0,
+                exchange=0,
             )
             for phase in (1, 2, 3)
         )
 
 
+def record_lanes(rows: int) -> int:
+    """The f32 lanes of a sync program's record (kernel.sync_kernel): the blocks' dots and
+    squares (rows each), p.w, p.p and y.y."""
+    return 2 * rows + 3
+
+
 def exchange_bytes(chunks: int, rows: int) -> int:
-    """The cluster's exchange (kernel.py): two 8-byte transaction barriers, then the C records of
-    2 * rows + 3 f32, from an 8-byte boundary (the kernel addresses them from the end)."""
-    return (chunks * (2 * rows + 3) * 4 + 7) // 8 * 8 + 16
+    """The cluster's exchange (kernel.py): two 8-byte transaction barriers, then the C records,
+    from an 8-byte boundary (the kernel addresses them from the end)."""
+    return (chunks * record_lanes(rows) * 4 + 7) // 8 * 8 + 16
 
 
 @functools.lru_cache(maxsize=256)  # eager PyTorch calls ask for the same plan again and again
@@ -301,19 +311,20 @@ def make(
     if chosen.kind == "tile":
         return Plan(chosen, launch("tile_kernel", (T,), dict(shared, SUB=chosen.sub, SOURCES=SOURCES)))
     chunks = -(-H // chosen.block)
-    # the blocks' tile, >= 2 rows (the weights read p.w and p.p as lanes 0 and 1 of a [C, rows]
-    # tile); kernel.sync_kernel's record has 2 * rows + 3 lanes
+    # the blocks' tile, >= 2 rows (the weights read p.w and p.p as lanes 0 and 1 of a [C, rows] tile)
     rows = max(2, _pow2(NB))
+    exchange = exchange_bytes(chunks, rows) if chosen.cluster else 0
     span = dict(BLOCK=chosen.block, ROWS=rows, CHUNKS=chunks, SPAN=_pow2(chunks))
+    span |= dict(RECORD=record_lanes(rows), EXCHANGE=exchange)
     whole = dict(shared, **span, POLLS=SYNC_POLLS, PHASE=0, RELOAD=chosen.reload, PDL=bool(pdl), CLUSTER=chosen.cluster)
     whole |= dict(PREFETCH=T <= PREFETCH_MAX_T)
     kernel = dataclasses.replace(
         launch("sync_kernel", (chunks, T), whole, bool(pdl)),
         cluster=chunks if chosen.cluster else 0,
-        exchange=exchange_bytes(chunks, rows) if chosen.cluster else 0,
+        exchange=exchange,
     )
     return Plan(
-        chosen, kernel, stats_shape=(T, chunks, 2 * rows + 3), arrivals_shape=None if chosen.cluster else (T, 2)
+        chosen, kernel, stats_shape=(T, chunks, record_lanes(rows)), arrivals_shape=None if chosen.cluster else (T, 2)
     )
 
 
