@@ -611,6 +611,21 @@ def test_decode_step_forms_agree_and_the_carried_mailbox_holds_the_last_partial(
     assert all(r["us_step"] > 0 and r["us_step_without_consumer"] > 0 for r in records)
 
 
+def test_decode_step_profile_sums_each_kernel_per_layer_and_the_busy_time():
+    """The kernel-by-kernel fields of a profiled decode step: each name's durations summed over
+    the traced steps and divided by steps x layers, largest first; the busy time counts
+    overlapping kernels once. An unknown loop form is refused by name."""
+    from oproj_jax.bench import decode_step as D
+
+    events = [(0, 1000, "gemm"), (500, 1500, "consumer"), (2000, 3000, "gemm"), (2500, 2600, "copy")]
+    times, busy = D.per_layer(events, steps=2, layers=2)
+    assert list(times) == ["gemm", "consumer", "copy"]
+    assert times == {"gemm": 0.5, "consumer": 0.25, "copy": 0.025}
+    assert busy == 0.625  # [0, 1500] and [2000, 3000] ns over 4 layers
+    with pytest.raises(ValueError, match="loop: expected one of"):
+        D.step_fn("reference", "fori", 2)
+
+
 def test_tp_step_timing_runs_on_cpu_devices():
     """bench.tp's timing path (chains of dependent TP steps, their inputs, the record) on 2 CPU
     devices with XLA's all-reduce and the reference consumer: the plumbing, not a timing."""

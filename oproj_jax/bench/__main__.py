@@ -99,6 +99,17 @@ def parse_args(argv):
         "--layers", type=int, default=None, help="layers per decode step (default 16; 2 for --cpu-anyway)"
     )
     parser.add_argument(
+        "--decode-profile",
+        action="store_true",
+        help="with --decode-step on a GPU: also where each step's device time goes, kernel by kernel "
+        "(a jax.profiler trace of a few steps with and without the consumer)",
+    )
+    parser.add_argument(
+        "--decode-loops",
+        default="scan,unrolled",
+        help="with --decode-step: the layer loops, comma-separated (scan, unrolled; default %(default)s)",
+    )
+    parser.add_argument(
         "--mailboxes",
         default="carried,partial,concat",
         help="with --decode-step: how each layer's mailbox is formed, comma-separated "
@@ -283,6 +294,8 @@ def main(argv=None) -> int:
             log=lambda m: print(m, file=sys.stderr, flush=True),
             mailboxes=args.mailboxes.split(","),
             figures=figures,
+            profile=args.decode_profile and figures,
+            loops=tuple(args.decode_loops.split(",")),
         )
         print(report.decode_step_table(records, figures=figures))
         if args.json:

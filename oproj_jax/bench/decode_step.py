@@ -49,10 +49,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from oproj_jax import api, configs
-from oproj_jax.bench import report
+from oproj_jax.bench import report, timing
 
 R, H, NB, F = configs.TP, configs.HIDDEN, 8, 1024
 MAILBOXES = ("carried", "partial", "concat", "update")
+LOOPS = ("scan", "unrolled")
 K = H // R  # this rank's slice of heads * head_dim
 EPS = 1e-6
 bf16, f32 = jnp.bfloat16, jnp.float32
@@ -139,6 +140,8 @@ def step_fn(backend: str | None, loop: str, layers: int, mailbox: str = "carried
     mailbox donated."""
     if mailbox not in MAILBOXES:
         raise ValueError(f"mailbox: expected one of {MAILBOXES}, got {mailbox!r}")
+    if loop not in LOOPS:
+        raise ValueError(f"loop: expected one of {LOOPS}, got {loop!r}")
 
     def step(attn, prefix, slots, blocks, weights):
         if loop == "scan":
@@ -168,6 +171,47 @@ def time_steps(fn, state, weights, reps: int) -> float:
     return (time.perf_counter() - start) * 1e6 / reps
 
 
+def per_layer(events, steps: int, layers: int) -> tuple[dict[str, float], float]:
+    """From device events (start_ns, end_ns, name) of `steps` steps: each name's summed duration
+    per layer in us, largest first, and the device's busy time per layer (timing.busy_us)."""
+    times = {}
+    for start, end, name in events:
+        times[name] = times.get(name, 0.0) + (end - start) / 1e3 / (steps * layers)
+    busy = timing.busy_us([(start, end) for start, end, _ in events]) / (steps * layers)
+    return dict(sorted(times.items(), key=lambda item: -item[1])), busy
+
+
+def kernel_times(fn, state, weights, layers: int, steps: int = 4) -> tuple[dict[str, float], float]:
+    """per_layer of a jax.profiler trace of `steps` dependent steps dispatched back to back."""
+    attn, prefix, slots, blocks = state
+    carry = jax.block_until_ready(fn(attn, jnp.copy(prefix), jnp.copy(slots), blocks, weights))
+
+    def steps_run():
+        c = carry
+        for _ in range(steps):
+            c = fn(c[0], c[1], c[2], blocks, weights)
+        return c
+
+    events, _ = timing.traced_events(steps_run)
+    return per_layer(events, steps, layers)
+
+
+def profile_fields(with_consumer, without, state, weights, layers: int, log) -> dict:
+    """The record's kernel-by-kernel fields (one profiled run of each step, after the timing):
+    device time per layer by kernel name with the consumer and without it, and busy times."""
+    kernels, busy = kernel_times(with_consumer, state, weights, layers)
+    kernels_without, busy_without = kernel_times(without, state, weights, layers)
+    for name, us in list(kernels.items())[:10]:
+        log(f"    {us:7.2f} us/layer (without: {kernels_without.get(name, 0.0):7.2f})  {name[:90]}")
+    log(f"    busy {busy:7.2f} us/layer (without: {busy_without:7.2f})")
+    return dict(
+        kernels_us_per_layer=kernels,
+        kernels_us_per_layer_without=kernels_without,
+        us_busy_per_layer=busy,
+        us_busy_per_layer_without=busy_without,
+    )
+
+
 def run(
     backends,
     tokens,
@@ -177,16 +221,19 @@ def run(
     log=print,
     mailboxes=("carried", "concat"),
     figures: bool = True,
+    profile: bool = False,
+    loops=LOOPS,
 ) -> list[dict]:
     """Records (kind "decode_step") per mailbox form, backend, T and loop form: the step time
     with and without the consumer (medians of `repeats` interleaved measurements of `reps`
-    steps each) and the consumer's share per layer. figures=False (off a GPU): the steps run,
-    and the records carry no time."""
+    steps each) and the consumer's share per layer; with `profile` (on a GPU), where each
+    step's device time goes, kernel by kernel (profile_fields). figures=False (off a GPU): the
+    steps run, and the records carry no time."""
     device = getattr(jax.devices()[0], "device_kind", jax.devices()[0].platform)
     records = []
     for T, form in ((T, form) for T in tokens for form in mailboxes):
         weights, state = make_weights(layers, T, form), make_state(T)
-        for loop in ("scan", "unrolled"):
+        for loop in loops:
             without = step_fn(None, loop, layers, form)
             for backend in backends:
                 with_consumer = step_fn(backend, loop, layers, form)
@@ -227,5 +274,7 @@ def run(
                     f"decode step T={T:4d} {form:7s} {loop:8s} {backend:9s} {t_with:8.1f} us/step, without consumer "
                     f"{t_without:8.1f} -> consumer {share:>6s} us/layer"
                 )
+                if profile:
+                    record.update(profile_fields(with_consumer, without, state, weights, layers, log))
         del weights, state
     return records
