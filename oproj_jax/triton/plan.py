@@ -221,9 +221,12 @@ class Launch:
     max_registers: int | None = None
     pdl: bool = False  # launched with programmatic dependent launch (the kernel waits: its PDL constexpr)
     cluster: int = 0  # programs per thread block cluster along the grid's first axis; 0: no clusters
-    # bytes of dynamic shared memory past the compiled kernel's own: the cluster's exchange
-    # (kernel.py, "The cluster's exchange"), which the launchers add to Triton's `shared`
-    exchange: int = 0
+
+    @property
+    def exchange(self) -> int:
+        """Bytes of dynamic shared memory past the compiled kernel's own: the cluster's exchange
+        (kernel.py, "The cluster's exchange"; the sync kernel's EXCHANGE constexpr), 0 elsewhere."""
+        return dict(self.constexprs).get("EXCHANGE", 0)
 
     def dynamic_smem(self, shared: int) -> int:
         """The launch's dynamic shared memory where the compiled kernel uses `shared` bytes: those,
@@ -255,11 +258,7 @@ class Plan:
         constexprs = dict(self.launch.constexprs, PDL=False, CLUSTER=False, EXCHANGE=0, PREFETCH=False)
         return tuple(
             dataclasses.replace(
-                self.launch,
-                constexprs=tuple(sorted({**constexprs, "PHASE": phase}.items())),
-                pdl=False,
-                cluster=0,
-                exchange=0,
+                self.launch, constexprs=tuple(sorted({**constexprs, "PHASE": phase}.items())), pdl=False, cluster=0
             )
             for phase in (1, 2, 3)
         )
@@ -313,15 +312,12 @@ def make(
     chunks = -(-H // chosen.block)
     # the blocks' tile, >= 2 rows (the weights read p.w and p.p as lanes 0 and 1 of a [C, rows] tile)
     rows = max(2, _pow2(NB))
-    exchange = exchange_bytes(chunks, rows) if chosen.cluster else 0
     span = dict(BLOCK=chosen.block, ROWS=rows, CHUNKS=chunks, SPAN=_pow2(chunks))
-    span |= dict(RECORD=record_lanes(rows), EXCHANGE=exchange)
+    span |= dict(RECORD=record_lanes(rows), EXCHANGE=exchange_bytes(chunks, rows) if chosen.cluster else 0)
     whole = dict(shared, **span, POLLS=SYNC_POLLS, PHASE=0, RELOAD=chosen.reload, PDL=bool(pdl), CLUSTER=chosen.cluster)
     whole |= dict(PREFETCH=T <= PREFETCH_MAX_T)
     kernel = dataclasses.replace(
-        launch("sync_kernel", (chunks, T), whole, bool(pdl)),
-        cluster=chunks if chosen.cluster else 0,
-        exchange=exchange,
+        launch("sync_kernel", (chunks, T), whole, bool(pdl)), cluster=chunks if chosen.cluster else 0
     )
     return Plan(
         chosen, kernel, stats_shape=(T, chunks, record_lanes(rows)), arrivals_shape=None if chosen.cluster else (T, 2)
