@@ -660,10 +660,11 @@ def sync_kernel(
         tl_cuda.gdc_wait()
         tl_cuda.gdc_launch_dependents()
     BARS: tl.constexpr = -EXCHANGE  # the exchange's two transaction barriers, at its start
+    YY: tl.constexpr = RECORD - 1  # y.y's lane, the record's last: the first meeting sends the YY before it
     c = tl.program_id(0)
     if CLUSTER:
-        # the two meetings' bytes from the C - 1 peers: 2 * ROWS + 2 lanes, then y.y
-        _exchange_init(BARS + 0 * c, (CHUNKS - 1) * (2 * ROWS + 2) * 4 + 0 * c, (CHUNKS - 1) * 4 + 0 * c)
+        # the two meetings' bytes from the C - 1 peers: YY lanes, then y.y
+        _exchange_init(BARS + 0 * c, (CHUNKS - 1) * YY * 4 + 0 * c, (CHUNKS - 1) * 4 + 0 * c)
         _cluster_arrive()
     t = tl.program_id(1).to(tl.int64)
     T = tl.num_programs(1).to(tl.int64)
@@ -716,7 +717,7 @@ def sync_kernel(
         p = _widen(tl.load(prefix_out + t * H + offs, mask=mask, other=0.0))
     if PHASE == 0:
         if CLUSTER:
-            _exchange(c, BARS, 0, 2 * ROWS + 2, CHUNKS, RECORD)
+            _exchange(c, BARS, 0, YY, CHUNKS, RECORD)
         else:
             _arrive_and_wait(arrivals + 2 * t, CHUNKS, POLLS)
     if PHASE != 1:
@@ -731,16 +732,16 @@ def sync_kernel(
                 b = _block_tile(blocks, t, j, offs, mask, NB, H)
             y = tl.sum(alpha[:, None] * b, axis=0) + alpha_p * p  # padding rows: 0 times a zero row
     if PHASE == 0 or PHASE == 2:
-        lane = tl.full([1, 1, 1], 2 * ROWS + 2, tl.int32)
+        lane = tl.full([1, 1, 1], YY, tl.int32)
         yy = tl.full([1, 1, 1], 0.0, tl.float32) + tl.sum(y * y, axis=0)  # y.y >= 0: adding +0.0 keeps its bits
         _put_record(record, c, lane, yy, lane >= 0, CLUSTER, CHUNKS, RECORD)
     if PHASE == 0:
         if CLUSTER:
-            _exchange(c, BARS + 8, 2 * ROWS + 2, 1, CHUNKS, RECORD)
+            _exchange(c, BARS + 8, YY, 1, CHUNKS, RECORD)
         else:
             _arrive_and_wait(arrivals + 2 * t + 1, CHUNKS, POLLS)
     if PHASE == 0 or PHASE == 3:
-        lane = 2 * ROWS + 2 + tl.arange(0, 1)
+        lane = YY + tl.arange(0, 1)
         yy = tl.sum(_token_sum(stats, t, lane, CLUSTER, CHUNKS, SPAN, RECORD), axis=0)
         if PHASE == 0 and not RELOAD:
             on = _widen(on_early)
