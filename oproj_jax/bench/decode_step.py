@@ -160,14 +160,25 @@ def step_fn(backend: str | None, loop: str, layers: int, mailbox: str = "carried
     return jax.jit(step, donate_argnums=(1, 2))
 
 
+def first_step(fn, state, weights):
+    """One step on copies of the state's donated arrays (compiles and warms `fn`), waited for:
+    the carry the timed or traced steps continue from."""
+    attn, prefix, slots, blocks = state
+    return jax.block_until_ready(fn(attn, jnp.copy(prefix), jnp.copy(slots), blocks, weights))
+
+
+def more_steps(fn, carry, blocks, weights, n: int):
+    """`n` dependent steps from `carry`, dispatched back to back (not waited for)."""
+    for _ in range(n):
+        carry = fn(carry[0], carry[1], carry[2], blocks, weights)
+    return carry
+
+
 def time_steps(fn, state, weights, reps: int) -> float:
     """Mean wall time in us per step of `reps` dependent steps dispatched back to back."""
-    attn, prefix, slots, blocks = state
-    carry = jax.block_until_ready(fn(attn, jnp.copy(prefix), jnp.copy(slots), blocks, weights))  # compile, warm
+    carry = first_step(fn, state, weights)
     start = time.perf_counter()
-    for _ in range(reps):
-        carry = fn(carry[0], carry[1], carry[2], blocks, weights)
-    jax.block_until_ready(carry)
+    jax.block_until_ready(more_steps(fn, carry, state[3], weights, reps))
     return (time.perf_counter() - start) * 1e6 / reps
 
 
@@ -183,16 +194,8 @@ def per_layer(events, steps: int, layers: int) -> tuple[dict[str, float], float]
 
 def kernel_times(fn, state, weights, layers: int, steps: int = 4) -> tuple[dict[str, float], float]:
     """per_layer of a jax.profiler trace of `steps` dependent steps dispatched back to back."""
-    attn, prefix, slots, blocks = state
-    carry = jax.block_until_ready(fn(attn, jnp.copy(prefix), jnp.copy(slots), blocks, weights))
-
-    def steps_run():
-        c = carry
-        for _ in range(steps):
-            c = fn(c[0], c[1], c[2], blocks, weights)
-        return c
-
-    events, _ = timing.traced_events(steps_run)
+    carry = first_step(fn, state, weights)
+    events, _ = timing.traced_events(lambda: more_steps(fn, carry, state[3], weights, steps))
     return per_layer(events, steps, layers)
 
 
