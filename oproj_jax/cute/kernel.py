@@ -5,7 +5,7 @@ One token per cluster of 7 CTAs (grid (7, T)), 128 * groups threads per CTA. Thr
 group 0 in CTA c owns the 8 contiguous elements h = (c*128 + i)*8 .. +7 of the hidden row.
 
 Timeline of one CTA:
-  all      PDL trigger, PDL wait
+  all      PDL trigger; up to WARM_L2_MAX_T tokens group 0 asks L2 for every row (L2 warm-up); PDL wait
   group 0  cp.async its slices of norm, query, out_norm, prefix (has_delta) -> smem (group 1),
            issues the first polling loads of its rank slots, then cp.async the blocks (group 2)
   all      while those loads are in flight: thread 0 inits the exchange mbarrier, then the
@@ -33,6 +33,13 @@ safe when every input it reads early arrives through the polled mailbox; under X
 previous kernel writes prefix, blocks and the mailbox with ordinary stores, and PDL gives no
 visibility of those before the wait. The launch latency and setup still overlap the previous
 kernel; the later `wait` the original kernel has at exit is then a no-op and is left out.
+
+L2 warm-up: a launch of few tokens is a few clusters waiting on their loads, which PDL starts
+while the kernel ahead still runs. Before the wait group 0 asks L2 for the CTA's slice of every
+row it reads (prefetch.global.L2, one line a thread a row): a prefetch returns no data, and
+L2 is where every store lands, so a line fetched before the kernel ahead stores it still reads
+the store after the wait. The mailbox only in ready mode. More tokens fill the GPU, the
+prefetches only add requests to a full memory system, and the launch skips them (docs/perf.md).
 
 Bounded polling: with timeout_us > 0 a poll gives up once that many microseconds of
 %globaltimer (wall time, the same for every T) have passed since it first found an empty slot,
@@ -95,6 +102,7 @@ TRACE_MARKS = ("entry", "pdl_wait", "loads_issued", "cluster_sync", "smem_rows",
 TRACE_GLOBAL = {"entry": TRACE_SLOTS - 2, "stored": TRACE_SLOTS - 1}  # marks that also store %globaltimer
 TWOSHOT_CHUNK = 8  # recv slots polled at once by a twoshot reducer thread
 READY_NC_MIN_T = 64  # ready mode loads the mailbox non-coherently from this many tokens on
+WARM_L2_MAX_T = 16  # launches of up to this many tokens warm L2 before the PDL wait (L2 warm-up)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -236,6 +244,28 @@ class OprojConsumer:
                 idx = idx + ((lane >> shift) & 1) * (width // 2)
         return values[0], idx
 
+    def warm_l2(self, thread, token, cta, mailbox, slot_stride, jump, own_slot, prefix, blocks, norm, query,
+                out_norm, timeout_us):
+        """Before the PDL wait: ask L2 for the CTA's slice (from element `cta` of a row) of every
+        row it will read, so that the loads after the wait find them there (L2 warm-up in the
+        module docstring). Row i's 16 lines of 128 bytes are asked for by the 16 threads
+        t // 16 == i % 8 of group 0, one line each. The mailbox only in ready mode: a polled slot
+        may still be empty, a refused call's mailbox gone."""
+        start = Int64(token) * self.H + cta  # the slice in the token's rows of [T, H]
+        rows = [norm + cta * 2, query + cta * 2] if self.NB > 0 else []
+        rows.append(out_norm + cta * 2)
+        if cutlass.const_expr(self.has_delta):
+            rows.append(prefix + start * 2)
+        rows += [blocks + ((Int64(token) * self.NB + b) * self.H + cta) * 2 for b in range(self.NB)]
+        plain = len(rows)
+        if cutlass.const_expr(not self.twoshot):
+            rows += [self.slot(mailbox + start * 2, slot_stride, k, jump, own_slot) for k in range(self.slots)]
+        line = Int64((thread % 16) * 128)
+        mine = [Int32((thread // 16) == r) for r in range(8)]  # group 0's threads only: thread < 128
+        ready = Int32(timeout_us < 0)
+        for i, addr in enumerate(rows):
+            P.prefetch_l2_if(mine[i % 8] & ready if i >= plain else mine[i % 8], addr + line)
+
     def marker(self, status, token, rank, thread):
         """mark(name): in trace builds thread 0 of the CTA stores its timers for the phase mark
         `name` into the CTA's row of the trace buffer; otherwise nothing (no code at all)."""
@@ -354,8 +384,6 @@ class OprojConsumer:
         mark = self.marker(status, token, rank, thread)
         mark("entry")
         P.griddep_launch_dependents()
-        P.griddep_wait()  # before the first global read: see the module docstring
-        mark("pdl_wait")
 
         h = (rank * THREADS + t) * VEC
         row = Int64(token) * H + h  # element offset of this thread's fragment in a [T, H] row
@@ -365,6 +393,11 @@ class OprojConsumer:
         jump = Int64(0)  # own variants: the byte distance from slot own_slot to own (Own partial)
         if cutlass.const_expr(self.own):
             jump = (own - mailbox - Int64(own_slot) * slot_stride) * Int64(own != 0)  # no own: 0
+        if tokens <= WARM_L2_MAX_T:
+            self.warm_l2(thread, token, Int64(rank * THREADS * VEC), mailbox, slot_stride, jump, own_slot, prefix,
+                         blocks, norm, query, out_norm, timeout_us)
+        P.griddep_wait()  # before the first global read: see the module docstring
+        mark("pdl_wait")
         raw = cute.make_rmem_tensor(cute.make_layout(4 * self.raw_slots), cutlass.Uint32)
 
         first_slots = self.slots if self.fold else min(self.S, self.slots)  # group 0's slots

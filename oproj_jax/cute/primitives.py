@@ -277,6 +277,18 @@ def griddep_wait():
     asm("griddepcontrol.wait;")
 
 
+def prefetch_l2_if(pred, gaddr):
+    """Ask L2 for the line holding `gaddr` where pred != 0: no data returned, nothing waited
+    for. L2 is where every store lands, so a line fetched before a predecessor's last stores is
+    still read correctly afterwards. (prefetch.global.L2, not the bulk prefetch: compute-sanitizer's
+    racecheck stops with a segmentation fault on cp.async.bulk.prefetch.L2.)"""
+    asm(
+        "{ .reg .pred p; setp.ne.s32 p, $0, 0; @p prefetch.global.L2 [$1]; }",
+        (),
+        ((Int32, pred), (Int64, gaddr)),
+    )
+
+
 # --- shared memory, cp.async ---------------------------------------------------------------
 
 

@@ -650,7 +650,20 @@ def sync_kernel(
     send their records into each other's shared memory and wait for the peers' there instead
     (`stats` and `arrivals` unused): the same arithmetic, the same bits; EXCHANGE: the bytes of
     that exchange past the kernel's own shared memory (plan.exchange_bytes). PREFETCH: the
-    rows asked of L2 at entry (plan.PREFETCH_MAX_T: few tokens only)."""
+    rows asked of L2 at entry, before the PDL wait (plan.PREFETCH_MAX_T: few tokens only)."""
+    if PHASE == 0 and PREFETCH:
+        # Few programs in all, each waiting on its loads: every row it reads is asked of L2
+        # first, before the PDL wait, so the lines come while the kernel ahead finishes (L2 holds
+        # every store: a line asked for before that kernel's last stores still reads them).
+        t = tl.program_id(1).to(tl.int64)
+        wide = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK // 8) * 8
+        inside = wide < H
+        _prefetch(mailbox, R, tl.num_programs(1).to(tl.int64), t, H, wide, inside)  # [R, T, H]
+        _prefetch(blocks, NB, 1, t * NB, H, wide, inside)  # [T, NB, H]: row t * NB + r
+        if HAS_DELTA:
+            _prefetch(prefix_in, 1, 1, t, H, wide, inside)
+        _prefetch(norm, 1, 1, 0, H, wide, inside)
+        _prefetch(query, 1, 1, 0, H, wide, inside)
     if PDL:
         # The grid may start before the kernel ahead of it on the stream has finished; every read
         # waits for that kernel's end (its writes then visible), so only the launch overlaps.
@@ -670,17 +683,6 @@ def sync_kernel(
     T = tl.num_programs(1).to(tl.int64)
     offs = c * BLOCK + tl.arange(0, BLOCK)
     mask = offs < H
-    if PHASE == 0 and PREFETCH:
-        # Few programs in all, each waiting on its loads: every row it reads is asked of L2
-        # first, since ptxas issues the loads themselves among the rank sum's arithmetic.
-        wide = c * BLOCK + tl.arange(0, BLOCK // 8) * 8
-        inside = wide < H
-        _prefetch(mailbox, R, T, t, H, wide, inside)  # [R, T, H]
-        _prefetch(blocks, NB, 1, t * NB, H, wide, inside)  # [T, NB, H]: row t * NB + r
-        if HAS_DELTA:
-            _prefetch(prefix_in, 1, 1, t, H, wide, inside)
-        _prefetch(norm, 1, 1, 0, H, wide, inside)
-        _prefetch(query, 1, 1, 0, H, wide, inside)
     if PHASE == 0 and not RELOAD:
         # read now, not after barrier 2: no load waits at the end (RELOAD keeps its registers)
         on_early = tl.load(out_norm + offs, mask=mask, other=0.0)

@@ -68,9 +68,10 @@ NUM_STAGES = 1  # no software-pipelined loops in these kernels
 # same arithmetic and the two launches give the same output bits too.
 ENABLE_FP_FUSION = False
 PDL_MIN_CAPABILITY = 90  # griddepcontrol (programmatic dependent launch) is sm_90 PTX
-# sync, up to this many tokens: every row a program reads asked of L2 at entry (kernel.py PREFETCH), where few
-# programs each wait on their loads: 4.60 / 5.33 us at T = 1 / 8 against 5.20 / 5.80 without (sync-1024-w4-cluster
-# on the H200); at T = 64 it cost (12.43 against 11.00; not profiled: 448 programs, each line asked of L2 twice).
+# sync, up to this many tokens: every row a program reads asked of L2 at entry, before the PDL wait (kernel.py
+# PREFETCH), where few programs each wait on their loads: kernel 3.85 / 4.0 us at T = 1 / 8 against 4.2 / 4.85 asked
+# after the wait, 5.20 / 5.80 never asked (sync-1024-w4-cluster on the H200); at T = 64 it cost (12.43 against 11.00
+# asked after the wait: 448 programs, each line asked of L2 twice).
 PREFETCH_MAX_T = 8
 
 

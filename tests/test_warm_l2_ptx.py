@@ -1,0 +1,52 @@
+"""The consumer's L2 warm-up as its PTX shows it (CuTe DSL, no GPU): before the PDL wait, an
+L2 prefetch of each row the CTA reads (the mailbox slots in one-shot variants only), only for
+launches of up to WARM_L2_MAX_T tokens, and no global read at all (kernel.py, "L2 warm-up").
+That the bits stay right when the kernel ahead has just written what is prefetched (the prefix it
+carries) is for the multi-step tests of tests/test_contract.py on a GPU."""
+
+import re
+
+import pytest
+
+from oproj_jax.cute import build
+from oproj_jax.cute import manifest as cute_manifest
+
+pytest.importorskip("cutlass", reason="the CuTe DSL (nvidia-cutlass-dsl) builds the kernel")
+
+from oproj_jax.cute import kernel  # noqa: E402 (needs the DSL)
+
+PREFETCH = r"@p prefetch\.global\.L2 \[[^]]+\];"
+
+
+def _before_wait(key):
+    ptx = build.compile_variant(key, cute_manifest.FOLDED, with_ptx=True)["ptx"]
+    body = ptx[ptx.index(".entry") :]
+    return body[: body.index("griddepcontrol.wait;")]
+
+
+@pytest.mark.parametrize(
+    "key, rows",
+    [
+        (
+            cute_manifest.make_key(16, 8, True, 4, 0, False),
+            2 + 1 + 1 + 8 + 16,
+        ),  # norm, query, out_norm, prefix, blocks, slots
+        (cute_manifest.make_key(16, 0, False, 3, 1, False), 1 + 16),  # out_norm, slots
+        (cute_manifest.make_key(16, 1, False, 1, 0, True), 2 + 1 + 1),  # twoshot: no mailbox slot
+    ],
+    ids=lambda v: cute_manifest.describe(v) if isinstance(v, dict) else str(v),
+)
+def test_every_row_is_asked_of_l2_before_the_wait_and_nothing_is_read(key, rows):
+    head = _before_wait(key)
+    assert len(re.findall(PREFETCH, head)) == rows
+    assert not re.search(r"\bld\.(global|volatile|relaxed|acquire)|cp\.async\.cg|ld\.global\.nc", head)
+
+
+def test_only_launches_of_few_tokens_warm_l2():
+    head = _before_wait(cute_manifest.make_key(16, 8, True, 4, 0, False))
+    tokens = re.search(r"mov\.u32 (%r\d+), %nctaid\.y;", head)
+    assert tokens, "the launch's tokens are not read before the wait"
+    compare = rf"setp\.\w+\.s32\s+%p\d+, {re.escape(tokens.group(1))}, {kernel.WARM_L2_MAX_T};"
+    assert re.search(compare, head), f"no compare of the launch's tokens with {kernel.WARM_L2_MAX_T}"
+    branch = head.index("@%p", re.search(compare, head).end())
+    assert branch < re.search(PREFETCH, head).start()  # the prefetches are skipped past the bound
