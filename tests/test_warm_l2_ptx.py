@@ -27,10 +27,8 @@ def _before_wait(key):
 @pytest.mark.parametrize(
     "key, rows",
     [
-        (
-            cute_manifest.make_key(16, 8, True, 4, 0, False),
-            2 + 1 + 1 + 8 + 16,
-        ),  # norm, query, out_norm, prefix, blocks, slots
+        # norm, query, out_norm, prefix, blocks, slots
+        (cute_manifest.make_key(16, 8, True, 4, 0, False), 2 + 1 + 1 + 8 + 16),
         (cute_manifest.make_key(16, 0, False, 3, 1, False), 1 + 16),  # out_norm, slots
         (cute_manifest.make_key(16, 1, False, 1, 0, True), 2 + 1 + 1),  # twoshot: no mailbox slot
     ],
