@@ -48,3 +48,18 @@ def test_only_launches_of_few_tokens_warm_l2():
     assert re.search(compare, head), f"no compare of the launch's tokens with {kernel.WARM_L2_MAX_T}"
     branch = head.index("@%p", re.search(compare, head).end())
     assert branch < re.search(PREFETCH, head).start()  # the prefetches are skipped past the bound
+
+
+def test_mailbox_slots_are_asked_of_l2_only_in_ready_mode():
+    """A slot's prefetch is predicated on timeout_us < 0 (param 13, cute/ABI.md): a polled slot
+    may still be empty, a refused call's mailbox gone. The other rows are asked for always."""
+    key = cute_manifest.make_key(16, 0, False, 3, 1, False)  # out_norm, then the 16 slots
+    head = _before_wait(key)
+    timeout = re.search(r"ld\.param\.b32\s+(%r\d+), \[\w+_param_13\];", head).group(1)
+    ready = re.search(rf"setp\.lt\.s32\s+(%p\d+), {re.escape(timeout)}, 0;", head).group(1)
+    selects = dict(re.findall(r"selp\.b32\s+(%r\d+), 1, 0, (%p\d+);", head))
+    ands = {m[0]: m[1:] for m in re.findall(r"and\.pred\s+(%p\d+), (%p\d+), (%p\d+);", head)}
+    gated = [
+        ready in ands.get(selects.get(r), ()) for r in re.findall(r"setp\.ne\.s32 p, (%r\d+), 0; @p prefetch", head)
+    ]
+    assert gated == [False] + [True] * 16
