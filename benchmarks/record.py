@@ -18,6 +18,8 @@ new each execution; `us_rotated`). The first process also takes the profiler's k
 microseconds at T <= 64), so the record is the median over the processes, with every process's
 value kept (`us_runs`). Writes <out-dir>/<date>-<device>-<name>.json: a header, one record per
 backend and T (kind "timing", "record": true), the decode-step records, and the processes' logs.
+Until then <out-dir>/<name>-logs.json holds the logs of the processes done so far, so a run
+stopped from outside still leaves them for --relog.
 """
 
 from __future__ import annotations
@@ -224,8 +226,19 @@ def merge_decode(runs: list[list[dict]]) -> list[dict]:
     return merged
 
 
+def kept_logs_path(args) -> str:
+    """Where the logs of the processes done so far wait for the record (--relog reads it)."""
+    return os.path.join(args.out_dir, f"{args.name}-logs.json")
+
+
+def keep_logs(args, logs: dict) -> None:
+    with open(kept_logs_path(args), "w") as f:
+        json.dump(dict(logs=logs), f, indent=1)
+
+
 def measure(args, module: str, common: list[str]) -> tuple[list, list, dict]:
-    """The processes: the chains' (`runs`), then the decode step's; their logs' ends kept."""
+    """The processes: the chains' (`runs`), then the decode step's; their logs' ends kept, and
+    written out after each process (kept_logs_path)."""
     runs, logs = [], {}
     for i in range(args.processes):
         if args.tp:
@@ -236,6 +249,7 @@ def measure(args, module: str, common: list[str]) -> tuple[list, list, dict]:
         records, log = bench(common + extra, args.timeout, module)
         runs.append(records)
         logs[f"process {i}"] = log[-6000:]
+        keep_logs(args, logs)
         print(f"process {i}: {sum(r.get('kind') == 'timing' for r in records)} timings", flush=True)
     decode_runs = []
     for i in range(args.decode_processes if args.decode_tokens else 0):
@@ -244,6 +258,7 @@ def measure(args, module: str, common: list[str]) -> tuple[list, list, dict]:
         records, log = bench(decode_args, args.decode_timeout or args.timeout)
         decode_runs.append(records)
         logs[f"decode step {i}"] = log[-6000:]
+        keep_logs(args, logs)
     return runs, decode_runs, logs
 
 
@@ -341,6 +356,8 @@ def main(argv=None) -> int:
     path = os.path.join(args.out_dir, f"{date}-{device}-{args.name}.json")
     with open(path, "w") as f:
         json.dump(dict(records=records, logs=logs), f, indent=1)
+    if not args.relog and os.path.exists(kept_logs_path(args)):
+        os.remove(kept_logs_path(args))  # the record holds them now
     print(f"wrote {path}")
     print(
         f"{'backend':16s} {'T':>5s} {'us (median)':>12s}  {'runs':24s} {'us_kernels':>10s} {'us_host':>8s} "

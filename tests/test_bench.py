@@ -542,6 +542,44 @@ def test_record_recovers_the_pipelined_parts_and_decode_steps_from_a_log(capsys)
     assert step["us_step"] == 563.9 and step["us_step_without_consumer"] == 480.5 and step["recovered_from_log"]
 
 
+def test_record_keeps_the_finished_processes_logs_when_stopped_from_outside(tmp_path, capsys, monkeypatch):
+    """record.py writes the logs of the processes done so far after each one: a run stopped
+    from outside (here during its third process) leaves them, --relog makes the record from
+    them, and a run that finishes removes them (its record holds them)."""
+    record = benchmark_script("record")
+    runner._log_timing(
+        "cute", configs.Config(16, 64, 8), timing.Timing(9.3, 8, 32, 30, 32, 1490.0, 1713.0, 1.0, buffers="pipelined")
+    )
+    log = capsys.readouterr().err
+    calls = []
+
+    def bench(args, timeout, module="oproj_jax.bench"):
+        calls.append(args)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # stopped while the third process runs
+        return [], f"{log}process {len(calls)}\n"
+
+    monkeypatch.setattr(record, "bench", bench)
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        record.main(["--out-dir", str(stopped), "--backends", "cute", "--tokens", "64", "--decode-tokens", ""])
+    kept = stopped / "record-logs.json"
+    assert sorted(json.loads(kept.read_text())["logs"]) == ["process 0", "process 1"]
+    assert [p.name for p in stopped.iterdir()] == ["record-logs.json"]
+    again = tmp_path / "again"
+    again.mkdir()
+    record.main(["--out-dir", str(again), "--relog", str(kept), "--device", "NVIDIA H200"])
+    (written,) = again.iterdir()
+    (timing_record,) = [r for r in json.loads(written.read_text())["records"] if r.get("kind") == "timing"]
+    assert timing_record["us_runs"] == [9.3, 9.3] and timing_record["us_runs_from_log"] == [0, 1]
+    monkeypatch.setattr(record, "bench", lambda args, timeout, module="": ([], log))
+    done = tmp_path / "done"
+    done.mkdir()
+    record.main(["--out-dir", str(done), "--backends", "cute", "--tokens", "64", "--decode-tokens", ""])
+    assert len(list(done.glob("*-record.json"))) == 1 and not (done / "record-logs.json").exists()
+
+
 def test_record_takes_the_median_decode_step_over_processes():
     record = benchmark_script("record")
     step = lambda us, without, backend="cute": dict(  # noqa: E731
