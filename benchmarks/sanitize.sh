@@ -11,7 +11,7 @@
 #                         (its barriers: counters, polls, records; the cluster's barrier in
 #                         thread block clusters), a CUDA graph replay, a
 #                         jitted call through the package's launch target (graph node), PDL
-#                         launches on counters kept from call to call
+#                         launches on counters kept from call to call, partial= read in place
 # One process per tool (memcheck, racecheck, synccheck, initcheck) and per group (the cute and
 # Pallas kernels; the Triton sync kernel), in parallel but initcheck (alone, below), each
 # bounded in time; memcheck, racecheck and synccheck instrument only our kernels (--kernel-name,
@@ -65,6 +65,8 @@ triton_tests=(
   "tests/test_triton_gpu.py::test_kept_counters_and_pdl_give_the_bits_of_zeroed_counters[8]"
   "tests/test_triton_gpu.py::test_cluster_configuration_gives_the_bits_of_its_counterpart[1-sync-1024-w4-cluster]"
   "tests/test_triton_gpu.py::test_torch_launch_replays_in_a_cuda_graph[sync-1024-w4-cluster]"
+  "tests/test_triton_gpu.py::test_own_partial_gives_the_bits_of_its_slot[1-None]"
+  "tests/test_triton_gpu.py::test_own_partial_gives_the_bits_of_its_slot[64-None]"
 )
 # cute consumer and publish kernels: "..._oproj_jaxcutekernelOprojConsumer_..." and
 # "..._oproj_jaxcutepublishPublish_..."; the Pallas kernel: pallas/consumer.py KERNEL_NAME

@@ -310,8 +310,9 @@ def consumer(
                             its own buffer (the o-proj GEMM's output) passes it here instead of
                             writing it into the mailbox. cute reads it in place (its own
                             variants: prebuilt for R = 16, compiled on first use for another
-                            R where the CuTe DSL is installed); otherwise the partial is
-                            written into a copy of the mailbox first. explain() says which.
+                            R where the CuTe DSL is installed), triton too; otherwise the
+                            partial is written into a copy of the mailbox first. explain()
+                            says which.
 
     Options (keyword-only, static: each value compiles its own program):
       eps            float >= 0, default 1e-6: epsilon of the key RMSNorm inside AttnRes.

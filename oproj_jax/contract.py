@@ -80,24 +80,32 @@ def check_arguments(mailbox, prefix, blocks, norm, query, out_norm, **options) -
     return Dims(R, T, NB, H)
 
 
-def check_partial(partial, rank: Any, dims: Dims) -> int:
-    """The caller's own partial: `partial` [T, H] bf16 stands for mailbox slot `rank` (a Python
-    int, 0 <= rank < R); partial None leaves rank at 0. Returns rank. Raises TypeError/ValueError
-    naming the argument."""
+def _check_rank(rank: Any, R: int, given: bool) -> int:
+    """`rank`, the mailbox slot an own partial stands for (0 <= rank < R; 0 when none is `given`)."""
     if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
         raise TypeError(
             f"rank: expected a Python int (static: the mailbox slot `partial` stands for), got {type(rank).__name__}"
         )
-    if partial is None:
+    if not given:
         if rank != 0:
             raise ValueError(f"rank: names the slot of `partial`, which is None; got rank={rank} without a partial")
         return 0
-    if not 0 <= rank < dims.R:
-        raise ValueError(f"rank: expected 0 <= rank < R = {dims.R} (mailbox slots), got {rank}")
+    if not 0 <= rank < R:
+        raise ValueError(f"rank: expected 0 <= rank < R = {R} (mailbox slots), got {rank}")
+    return int(rank)
+
+
+def check_partial(partial, rank: Any, dims: Dims) -> int:
+    """The caller's own partial: `partial` [T, H] bf16 stands for mailbox slot `rank` (a Python
+    int, 0 <= rank < R); partial None leaves rank at 0. Returns rank. Raises TypeError/ValueError
+    naming the argument."""
+    rank = _check_rank(rank, dims.R, partial is not None)
+    if partial is None:
+        return rank
     shape = check_array("partial", partial, 2, "[T, H]")
     if shape != (dims.T, dims.H):
         raise ValueError(f"partial: expected shape [T, H] = {(dims.T, dims.H)} (from mailbox), got {shape}")
-    return int(rank)
+    return rank
 
 
 # ---- the PyTorch entry ------------------------------------------------------------------------
@@ -107,6 +115,23 @@ class TorchResult(NamedTuple):
     prefix: Any  # [T, H] bf16 torch.Tensor: the updated partial-block residual
     output: Any  # [T, H] bf16 torch.Tensor
     xmoe: Any  # [reps, T, H] bf16 torch.Tensor with -0.0 written as +0.0; None when reps == 0
+
+
+def check_tensor_partial(torch, partial, rank: Any, mailbox) -> int:
+    """check_partial for the PyTorch entry: `partial` None or a bf16 torch.Tensor [T, H] on the
+    mailbox's device (check_tensors has checked the mailbox). Returns rank."""
+    R, T, H = mailbox.shape
+    rank = _check_rank(rank, R, partial is not None)
+    if partial is None:
+        return rank
+    if not isinstance(partial, torch.Tensor) or partial.dtype != torch.bfloat16:
+        got = partial.dtype if isinstance(partial, torch.Tensor) else type(partial).__name__
+        raise TypeError(f"partial: expected None or a bfloat16 torch.Tensor [T, H], got {got}")
+    if partial.device != mailbox.device:
+        raise ValueError(f"partial: expected device {mailbox.device} (from mailbox), got {partial.device}")
+    if tuple(partial.shape) != (T, H):
+        raise ValueError(f"partial: expected shape [T, H] = {(T, H)} (from mailbox), got {tuple(partial.shape)}")
+    return rank
 
 
 def check_tensors(torch, mailbox, prefix, blocks, norm, query, out_norm) -> None:

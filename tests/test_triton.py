@@ -88,10 +88,12 @@ class Case:
     config: Config
     variant: str | None  # None: the default rule
     change: object = None  # a function that edits the inputs in place
+    own: int | None = None  # partial= given for this slot (the slot itself NaN: it must not be read)
 
     @property
     def id(self) -> str:
         tag = f"-{self.change.__name__.strip('_')}" if self.change else ""
+        tag += "" if self.own is None else f"-own{self.own}"
         return f"{self.config.name}-H{self.config.H}-{self.variant or 'default'}{tag}"
 
 
@@ -118,6 +120,10 @@ def _cases() -> list[Case]:
         Case(Config(16, 2, 8, H=7168), v)
         for v in (None, "row-w16", "tile-512-w8", "sync-2048-w8", "sync-1024-w4-reload-r64", "sync-2048-w8-cluster")
     ]
+    # the caller's own partial read in place of its slot: first of a group, inside one, the last rank
+    cases += [Case(Config(16, 3, 8, H=512), v, own=own) for v in KINDS for own in (0, 9)]
+    cases += [Case(Config(2, 3, 1, groups=3, H=256), v, own=1) for v in ("row-w16", None)]
+    cases += [Case(Config(16, 2, 8, H=7168), None, own=15)]
     return cases
 
 
@@ -132,7 +138,8 @@ _INTERPRET = textwrap.dedent("""
     bf16 = lambda a: torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     for case in json.loads((folder / "cases.json").read_text()):
         x = np.load(folder / f"{case['id']}.in.npz")
-        result = torch_launch.consumer(*(bf16(x[k].copy()) for k in case["args"]), **case["options"])
+        own = {k: bf16(x[k].copy()) for k in case["keywords"]}
+        result = torch_launch.consumer(*(bf16(x[k].copy()) for k in case["args"]), **own, **case["options"])
         out = {k: v.view(torch.int16).numpy() for k, v in result._asdict().items() if v is not None}
         np.savez(folder / f"{case['id']}.out.npz", **out)
 """)
@@ -153,9 +160,13 @@ def interpreted(tmp_path_factory):
     folder = tmp_path_factory.mktemp("interpret")
     table = []
     for case in CASES:
-        np.savez(folder / f"{case.id}.in.npz", **{k: v.view(np.uint16) for k, v in _inputs(case).items()})
-        options = dict(EPS, **case.config.options(), variant=case.variant)
-        table.append(dict(id=case.id, args=ARGS, options=options))
+        x, keywords, options = _inputs(case), [], dict(EPS, **case.config.options(), variant=case.variant)
+        if case.own is not None:  # the slot's values passed as partial=, the slot itself NaN
+            x["partial"] = x["mailbox"][case.own].copy()
+            x["mailbox"][case.own] = np.nan
+            keywords, options = ["partial"], dict(options, rank=case.own)
+        np.savez(folder / f"{case.id}.in.npz", **{k: v.view(np.uint16) for k, v in x.items()})
+        table.append(dict(id=case.id, args=ARGS, keywords=keywords, options=options))
     (folder / "cases.json").write_text(json.dumps(table))
     done = subprocess.run(
         [sys.executable, "-c", _INTERPRET, str(folder)],
@@ -241,6 +252,11 @@ PLANS = {  # every kernel as the launchers run it, at R=16 NB=8 H=7168 and with 
     **{f"T{T}-default": plan.make(16, T, 8, 7168, **PRODUCTION) for T in (1, 64, 4096)},
     "T64-tile": plan.make(16, 64, 8, 7168, **PRODUCTION, variant="tile-512-w8"),
     "T64-row": plan.make(16, 64, 8, 7168, **PRODUCTION, variant="row-w16"),
+    # the caller's own partial read in place of slot 9 (its prefetch at T = 1 too)
+    **{
+        f"own-T{T}-{v or 'default'}": plan.make(16, T, 8, 7168, **PRODUCTION, variant=v, own=9, clusters=True)
+        for T, v in ((1, None), (64, None), (4096, None), (8, "row-w16"), (8, "tile-512-w8"), (1, "sync-256-w1"))
+    },
     **{
         f"NB0-{v}": plan.make(3, 2, 0, 7168, **FIRST_LAYER, variant=v)
         for v in ("row-w16", "tile-512-w8", "sync-256-w1", "sync-1024-w4-reload-r64")
@@ -450,17 +466,20 @@ def cuda_triton_stand_ins(monkeypatch, tmp_path):
     return compiled
 
 
-def _lowered(variant, T, *, jax_triton=False, vmap=False):
+def _lowered(variant, T, *, jax_triton=False, vmap=False, own=None):
     from oproj_jax.triton import backend
 
     R, NB, H = 16, 8, 7168
-    shapes = [(R, T, H), (T, H), (T, NB, H), (H,), (H,), (H,)]
+    shapes = [(R, T, H), (T, H), (T, NB, H), (H,), (H,), (H,)] + ([] if own is None else [(T, H)])
     if vmap:
         shapes = [(2, *s) if i < 2 else s for i, s in enumerate(shapes)]
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
 
     def step(*arrays):
-        return backend.launch(*arrays, **PRODUCTION, variant=variant, compute_capability=90, jax_triton=jax_triton)
+        partial = dict(partial=arrays[6], rank=own) if own is not None else {}
+        return backend.launch(
+            *arrays[:6], **partial, **PRODUCTION, variant=variant, compute_capability=90, jax_triton=jax_triton
+        )
 
     if vmap:
         step = jax.vmap(step, in_axes=(0, 0, None, None, None, None))
@@ -571,6 +590,37 @@ def test_library_lowering_names_a_stored_cubin_and_its_parameters(library_cache,
         assert f"output_tuple_indices = [{len(results) - 1}], operand_index = {n_arrays}," in text
     else:
         assert inplace_pairs(call) == []
+
+
+@pytest.mark.parametrize(("variant", "T"), [(None, 1), ("row-w16", 3), ("sync-1024-w4-reload-r64", 80)])
+def test_library_lowering_passes_the_own_partial_after_the_results(library_cache, variant, T):
+    """partial= through the package's target: the partial is the seventh operand, its pointer
+    the kernel's last (after the results, before Triton's two null pointers), no slot written
+    (no dynamic-update-slice), the prefix still aliased."""
+    text = _lowered(variant, T, own=9)
+    ((name, operands),) = LIBRARY_CALL.findall(text)
+    assert "dynamic_update_slice" not in text, "the partial written into the mailbox"
+    assert re.search(r"%arg1: tensor<\d+x7168xbf16> \{tf\.aliasing_output = 0", text), "the donated prefix"
+    call = next(line for line in text.splitlines() if f"stablehlo.custom_call @{name}(" in line)
+    params = launch_attributes(call)["params"]
+    B = ffi_launch.buffer
+    n_in = operands.count("%")
+    zeroed = variant == "sync-1024-w4-reload-r64"  # counters: a zeros operand after the partial
+    assert n_in == 7 + zeroed, operands
+    results = params[6:-3]
+    assert params[:6] == [B(i) for i in range(6)] and results == [B(i) for i in range(n_in, n_in + len(results))]
+    assert params[-3:] == [B(6), ffi_launch.NULL, ffi_launch.NULL], params
+    if zeroed:
+        assert inplace_pairs(call) == [(7, len(results) - 1)]
+
+
+def test_jax_triton_launch_writes_the_own_partial_into_the_mailbox(cuda_triton_stand_ins):
+    """jax_triton=True takes no operand after its results: the partial goes into a copy of the
+    mailbox (a dynamic-update-slice), the kernel compiled without `own`."""
+    text = _lowered("row-w16", 3, jax_triton=True, own=9)
+    assert len(_jax_triton_calls(text)) == 1 and "dynamic_update_slice" in text, text[:3000]
+    ptx = cuda_triton_stand_ins[-1]["ptx"]  # 9 pointers and Triton's 2 scratch pointers: no own partial
+    assert "row_kernel_param_10" in ptx and "row_kernel_param_11" not in ptx
 
 
 def test_library_lowering_compiles_each_kernel_once(library_cache):
@@ -803,6 +853,29 @@ def test_torch_entry_names_a_bad_counter_set_or_pdl(made, error, text):
     before = [t.clone() for t in tensors]
     with pytest.raises(error) as info:
         torch_launch.consumer(*tensors, **{name: make(torch) for name, make in made.items()})
+    assert str(info.value).startswith(text), str(info.value)
+    assert all(a.equal(b) for a, b in zip(tensors, before)), "the call modified its arguments"
+
+
+BAD_PARTIAL = [  # (what, the partial made from the mailbox, rank, error, the message's start)
+    ("dtype", lambda t: t[0].float(), 0, TypeError, "partial: expected None or a bfloat16 torch.Tensor [T, H]"),
+    ("shape", lambda t: t[0, :1], 1, ValueError, "partial: expected shape [T, H] = (2, 256)"),
+    ("rank", lambda t: t[0], 2, ValueError, "rank: expected 0 <= rank < R = 2"),
+    ("rank-type", lambda t: t[0], 1.0, TypeError, "rank: expected a Python int"),
+    ("rank-alone", lambda t: None, 1, ValueError, "rank: names the slot of `partial`, which is None"),
+]
+
+
+@pytest.mark.parametrize(
+    ("made", "rank", "error", "text"), [b[1:] for b in BAD_PARTIAL], ids=[b[0] for b in BAD_PARTIAL]
+)
+def test_torch_entry_names_a_bad_partial(made, rank, error, text):
+    from oproj_jax.triton import torch_launch
+
+    tensors = _tensors()
+    before = [t.clone() for t in tensors]
+    with pytest.raises(error) as info:
+        torch_launch.consumer(*tensors, partial=made(tensors[0]), rank=rank)
     assert str(info.value).startswith(text), str(info.value)
     assert all(a.equal(b) for a, b in zip(tensors, before)), "the call modified its arguments"
 

@@ -171,6 +171,42 @@ def test_cluster_configuration_gives_the_bits_of_its_counterpart(triton_gpu, var
             testing.assert_same_bits(a, b, f"T={T} seed={SEED} {launch.__name__} {variant} {name} vs {counterpart}")
 
 
+# partial=: the default configuration over T (clusters with prefetch at T <= 8, reload at 512), the other kernels
+OWN = [(1, None), (8, None), (64, None), (512, None), (8, "row-w16"), (8, "tile-512-w8"), (3, "sync-256-w1")]
+
+
+@pytest.mark.parametrize(("T", "variant"), OWN)
+def test_own_partial_gives_the_bits_of_its_slot(triton_gpu, T, variant):
+    """partial= read in place of slot 9, which holds NaN (never read): the JAX launch (jitted,
+    the package's target) and the PyTorch launch give the bits of the launch that reads the slot;
+    the caller's mailbox is untouched."""
+    import torch
+
+    from oproj_jax import torch_ref
+    from oproj_jax.triton import torch_launch
+
+    config = Config(configs.TP, T, 8, xmoe_replicas=1)
+    arrays, options = inputs(config)
+    want = run_jax(arrays, options, variant, triton_gpu)
+    poisoned = arrays["mailbox"].copy()
+    poisoned[9] = np.nan
+    given = dict(arrays, mailbox=poisoned)
+    args = [jax.device_put(given[k], triton_gpu) for k in ARGS]
+    partial = jax.device_put(arrays["mailbox"][9], triton_gpu)
+    consume = functools.partial(backend.launch, **EPS, **options, variant=variant, rank=9)
+    from_jax = jax.jit(lambda *a: consume(*a[:6], partial=a[6]))(*args, partial)
+    testing.assert_same_bits(np.asarray(args[0]), poisoned, "the caller's mailbox")
+    tensors = [torch_ref.from_numpy(given[k]).cuda() for k in ARGS]
+    own = torch_ref.from_numpy(arrays["mailbox"][9]).cuda()
+    from_torch = torch_launch.consumer(*tensors, partial=own, rank=9, **EPS, **options, variant=variant)
+    torch.cuda.synchronize()
+    from_torch = [None if x is None else torch_ref.to_numpy(x) for x in from_torch]
+    for name, a, b, c in zip(("prefix", "output", "xmoe"), want, from_jax, from_torch):
+        what = f"T={T} variant={variant} seed={SEED} {name}"
+        testing.assert_same_bits(np.asarray(b), a, f"{what}: JAX with partial= vs the slot")
+        testing.assert_same_bits(c, a, f"{what}: PyTorch with partial= vs the slot")
+
+
 def test_registry_call_under_jit(triton_gpu):
     config = Config(configs.TP, 3, 8)
     arrays, options = inputs(config)

@@ -33,11 +33,12 @@ import jax
 import jax.numpy as jnp
 
 from oproj_jax.contract import ConsumerResult, Dims
-from oproj_jax import ffi
+from oproj_jax import ffi, reference
 from oproj_jax.triton import library
 from oproj_jax.triton import plan as launch_plan
 
 INSTALL = "pip install oproj-jax[triton]"
+READS_PARTIAL = True  # consumer takes partial= and rank= (api.py)
 
 
 def unavailable_reason(platform: str) -> str | None:
@@ -81,10 +82,19 @@ def unsupported_reason(dims: Dims, **options) -> str | None:
     return reason and f"{reason}; backend='pallas' (on a Hopper GPU) or 'reference' takes any R"
 
 
-def consumer(mailbox, prefix, blocks, norm, query, out_norm, **options) -> ConsumerResult:
+def partial_in_place(dims: Dims, **options) -> bool:
+    """`consumer(..., partial=...)` reads the partial in place: every kernel takes it (plan.make's
+    `own`) through the package's launch target."""
+    return True
+
+
+def consumer(
+    mailbox, prefix, blocks, norm, query, out_norm, *, partial=None, rank: int = 0, **options
+) -> ConsumerResult:
     """The registry entry point (api.consumer has checked the arguments): `launch` for GPU 0's
-    compute capability, the prefix updated in place (aliased)."""
-    return launch(mailbox, prefix, blocks, norm, query, out_norm, **options)
+    compute capability, the prefix updated in place (aliased); `partial` [T, H] (or None) read
+    in place of mailbox slot `rank`."""
+    return launch(mailbox, prefix, blocks, norm, query, out_norm, partial=partial, rank=rank, **options)
 
 
 def launch(
@@ -95,6 +105,8 @@ def launch(
     query,
     out_norm,
     *,
+    partial=None,
+    rank: int = 0,
     variant=None,
     compute_capability=None,
     jax_triton=False,
@@ -103,17 +115,21 @@ def launch(
 ) -> ConsumerResult:
     """`consumer`, compiled for `compute_capability` (e.g. 90; None: GPU 0's). `jax_triton`:
     launched by jax_triton.triton_call instead of the package's FFI target (the module
-    docstring). `variant`: a name of plan.VARIANTS in place of plan.default_variant's, for the
-    tests. `pdl`: the sync kernel launched with programmatic dependent launch; None: through the
-    package's target on sm_90 or newer (jax-triton's launch has no such option)."""
+    docstring); it takes no own partial, so there `partial` is written into a copy of the
+    mailbox first. `variant`: a name of plan.VARIANTS in place of plan.default_variant's, for
+    the tests. `pdl`: the sync kernel launched with programmatic dependent launch; None: through
+    the package's target on sm_90 or newer (jax-triton's launch has no such option)."""
+    if partial is not None and jax_triton:
+        mailbox, partial = reference.with_partial(mailbox, partial, rank), None
     R, T, H = mailbox.shape
     cc = 0 if jax_triton else library.capability(compute_capability)
     needs = f"the package's launch target (not jax_triton) on compute capability >= {launch_plan.PDL_MIN_CAPABILITY}"
     pdl = launch_plan.use_pdl(pdl, cc >= launch_plan.PDL_MIN_CAPABILITY, needs)
     clusters = cc in launch_plan.CLUSTER_CAPABILITIES  # jax-triton's launch sets no clusters
-    plan = launch_plan.make(R, T, blocks.shape[1], H, **options, variant=variant, pdl=pdl, clusters=clusters)
+    own = None if partial is None else rank
+    plan = launch_plan.make(R, T, blocks.shape[1], H, **options, variant=variant, pdl=pdl, clusters=clusters, own=own)
     new_prefix, output, xmoe = _call(plan, compute_capability, bool(jax_triton))(
-        mailbox, prefix, blocks, norm, query, out_norm
+        mailbox, prefix, blocks, norm, query, out_norm, *(() if partial is None else (partial,))
     )
     return ConsumerResult(new_prefix, output, xmoe if options["xmoe_replicas"] else None)
 
@@ -130,9 +146,13 @@ def _jax_triton_options(launch: launch_plan.Launch) -> dict:
     return options
 
 
-def _via_triton_call(launch: launch_plan.Launch, arrays, out_shape, aliases, zeroed, compute_capability):
+def _via_triton_call(launch: launch_plan.Launch, arrays, out_shape, aliases, zeroed, compute_capability, after=()):
     """jax_triton=True: jax_triton.triton_call, its custom call "triton_kernel_call" (a legacy
-    custom call). It is the package's jax-triton launch, for callers without its FFI library."""
+    custom call). It is the package's jax-triton launch, for callers without its FFI library.
+    triton_call passes its operands before the results, so it takes no `after` (no own partial:
+    `launch` writes one into the mailbox first)."""
+    if after:
+        raise ValueError(f"{launch.kernel}: jax_triton=True takes no operands after the results")
     from jax_triton import triton_call
 
     from oproj_jax.triton import kernel
@@ -153,14 +173,15 @@ def _via_triton_call(launch: launch_plan.Launch, arrays, out_shape, aliases, zer
 
 @functools.lru_cache(maxsize=None)
 def _call(plan: launch_plan.Plan, compute_capability: int | None, jax_triton: bool):
-    """The plan's launch as a function of the six arrays. The kernels have no batch dimension:
-    under jax.vmap it runs once per batch element."""
+    """The plan's launch as a function of the six arrays (seven: the own partial last, where the
+    plan reads one). The kernels have no batch dimension: under jax.vmap it runs once per batch
+    element."""
     reason = launch_reason(jax_triton)
     if reason:
         raise RuntimeError(reason)
     lower = _via_triton_call if jax_triton else library.lower
 
-    def call(mailbox, prefix, blocks, norm, query, out_norm):
+    def call(mailbox, prefix, blocks, norm, query, out_norm, *own):
         T, H = prefix.shape
         reps = dict(plan.launch.constexprs)["REPS"]
         rows = jax.ShapeDtypeStruct((T, H), jnp.bfloat16)
@@ -170,14 +191,15 @@ def _call(plan: launch_plan.Plan, compute_capability: int | None, jax_triton: bo
         blocks = blocks if blocks.shape[1] else norm
         arrays = (mailbox, prefix, blocks, norm, query, out_norm)
         if plan.stats_shape is None:  # row, tile: one program per token
-            return lower(plan.launch, arrays, (rows, rows, xmoe), {1: 0}, (), compute_capability)
+            return lower(plan.launch, arrays, (rows, rows, xmoe), {1: 0}, (), compute_capability, own)
         stats = jax.ShapeDtypeStruct(plan.stats_shape, jnp.float32)
         if plan.arrivals_shape is None:  # sync-*-cluster: no counters; one int32 for the pointer it never reads
             unused = jax.ShapeDtypeStruct((1,), jnp.int32)
-            return lower(plan.launch, arrays, (rows, rows, xmoe, stats, unused), {1: 0}, (), compute_capability)[:3]
+            outs = (rows, rows, xmoe, stats, unused)
+            return lower(plan.launch, arrays, outs, {1: 0}, (), compute_capability, own)[:3]
         # sync: its scratch, and its arrival counters zeroed by the launch (last: the one output zeroed)
         arrivals = jax.ShapeDtypeStruct(plan.arrivals_shape, jnp.int32)
         outs = (rows, rows, xmoe, stats, arrivals)
-        return lower(plan.launch, arrays, outs, {1: 0}, (len(outs) - 1,), compute_capability)[:3]
+        return lower(plan.launch, arrays, outs, {1: 0}, (len(outs) - 1,), compute_capability, own)[:3]
 
     return jax.custom_batching.sequential_vmap(call)

@@ -65,8 +65,20 @@ def _published(x):
 
 
 @triton.jit
+def _partial(mailbox, own, r: tl.constexpr, t, T, H: tl.constexpr, offs, mask, OWN: tl.constexpr):
+    """Rank r's partial at `offs` of token t: mailbox slot r, or for r == OWN the caller's own
+    partial `own` [T, H], read in place (slot OWN is never read)."""
+    if r == OWN:
+        row = own + t * H + offs
+    else:
+        row = mailbox + (r * T + t) * H + offs
+    return _published(tl.load(row, mask=mask, other=0.0))
+
+
+@triton.jit
 def _new_prefix(
     mailbox,
+    own,
     prefix_in,
     t,
     T,
@@ -76,16 +88,18 @@ def _new_prefix(
     H: tl.constexpr,
     GROUPS: tl.constexpr,
     HAS_DELTA: tl.constexpr,
+    OWN: tl.constexpr,
 ):
     """The bits of the new prefix at `offs` of token t. The f32 adds follow reference.rank_sum
     exactly (group g: ranks g*S .. g*S+S-1 left to right, then the groups in order): the
-    prefix bits depend on it. Only adds on this path, so nothing can contract into an FMA."""
+    prefix bits depend on it. Only adds on this path, so nothing can contract into an FMA.
+    Rank OWN's partial is read from `own` (_partial); OWN < 0: every rank's from the mailbox."""
     PER_GROUP: tl.constexpr = (R + GROUPS - 1) // GROUPS
     for first in tl.static_range(0, R, PER_GROUP):
-        group = _published(tl.load(mailbox + (first * T + t) * H + offs, mask=mask, other=0.0))
+        group = _partial(mailbox, own, first, t, T, H, offs, mask, OWN)
         for r in tl.static_range(first + 1, first + PER_GROUP):
             if r < R:
-                group = group + _published(tl.load(mailbox + (r * T + t) * H + offs, mask=mask, other=0.0))
+                group = group + _partial(mailbox, own, r, t, T, H, offs, mask, OWN)
         if first == 0:
             total = group
         else:
@@ -134,6 +148,7 @@ def row_kernel(
     prefix_out,
     output,
     xmoe,
+    own,
     R: tl.constexpr,
     NB: tl.constexpr,
     H: tl.constexpr,
@@ -143,12 +158,13 @@ def row_kernel(
     EPS: tl.constexpr,
     OUT_EPS: tl.constexpr,
     BLOCK: tl.constexpr,
+    OWN: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     T = tl.num_programs(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
-    p_bits = _new_prefix(mailbox, prefix_in, t, T, offs, mask, R, H, GROUPS, HAS_DELTA)
+    p_bits = _new_prefix(mailbox, own, prefix_in, t, T, offs, mask, R, H, GROUPS, HAS_DELTA, OWN)
     p = _as_f32(p_bits)
     if NB == 0:
         y = p  # one source: its weight is exactly 1 (docs/spec.md)
@@ -191,6 +207,7 @@ def row_kernel(
 @triton.jit
 def _sum_tile(
     mailbox,
+    own,
     prefix_in,
     blocks,
     norm,
@@ -208,9 +225,10 @@ def _sum_tile(
     GROUPS: tl.constexpr,
     HAS_DELTA: tl.constexpr,
     SOURCES: tl.constexpr,
+    OWN: tl.constexpr,
 ):
     """Writes the new prefix at `offs` and returns (dots, gram) with this tile's parts added."""
-    p_bits = _new_prefix(mailbox, prefix_in, t, T, offs, mask, R, H, GROUPS, HAS_DELTA)
+    p_bits = _new_prefix(mailbox, own, prefix_in, t, T, offs, mask, R, H, GROUPS, HAS_DELTA, OWN)
     tl.store(prefix_out + t * H + offs, _as_bf16(p_bits), mask=mask)
     s = _source_tile(blocks, t, offs, mask, _as_f32(p_bits), NB, H, SOURCES)
     dots += tl.sum(s * _weights(norm, query, offs, mask)[None, :], axis=1)
@@ -288,6 +306,7 @@ def tile_kernel(
     prefix_out,
     output,
     xmoe,
+    own,
     R: tl.constexpr,
     NB: tl.constexpr,
     H: tl.constexpr,
@@ -298,6 +317,7 @@ def tile_kernel(
     OUT_EPS: tl.constexpr,
     SUB: tl.constexpr,
     SOURCES: tl.constexpr,
+    OWN: tl.constexpr,
 ):
     """Grid (T,): one program per token, two passes over its column tiles (the second re-reads
     the blocks and the new prefix), registers bounded by the tile."""
@@ -308,8 +328,8 @@ def tile_kernel(
     for k in range(0, H, SUB):  # a loop, not unrolled: 28 unrolled tiles take minutes to compile
         offs = k + tl.arange(0, SUB)
         dots, gram = _sum_tile(
-            mailbox, prefix_in, blocks, norm, query, prefix_out, t, T, offs, offs < H, dots, gram,
-            R, NB, H, GROUPS, HAS_DELTA, SOURCES,
+            mailbox, own, prefix_in, blocks, norm, query, prefix_out, t, T, offs, offs < H, dots, gram,
+            R, NB, H, GROUPS, HAS_DELTA, SOURCES, OWN,
         )  # fmt: skip
     # The second pass reads prefix elements other threads of this program stored.
     tl.debug_barrier()
@@ -494,18 +514,20 @@ def _records(stats, t, k, lanes, mask, CLUSTER: tl.constexpr, CHUNKS: tl.constex
 
 
 @triton.jit
-def _prefetch(rows, R: tl.constexpr, T, t, H: tl.constexpr, offs, mask):
+def _prefetch(rows, R: tl.constexpr, T, t, H: tl.constexpr, offs, mask, SKIP: tl.constexpr):
     """Asks L2 for token t's R rows of `rows` ([R, T, H]) at `offs` (prefetch.global.L2, one
-    address per 16 bytes where `mask`): the loads that follow find them there or on their way."""
+    address per 16 bytes where `mask`), row SKIP left out (-1: none): the loads that follow find
+    them there or on their way."""
     for r in tl.static_range(R):
-        tl.inline_asm_elementwise(
-            "{ .reg .pred xp; setp.ne.s32 xp, $2, 0; @xp prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-            "=r,l,r",
-            [rows + (r * T + t) * H + offs, mask.to(tl.int32)],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
+        if r != SKIP:
+            tl.inline_asm_elementwise(
+                "{ .reg .pred xp; setp.ne.s32 xp, $2, 0; @xp prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                "=r,l,r",
+                [rows + (r * T + t) * H + offs, mask.to(tl.int32)],
+                dtype=tl.int32,
+                is_pure=False,
+                pack=1,
+            )
 
 
 @triton.jit
@@ -613,6 +635,7 @@ def sync_kernel(
     xmoe,
     stats,
     arrivals,
+    own,
     R: tl.constexpr,
     NB: tl.constexpr,
     H: tl.constexpr,
@@ -633,6 +656,7 @@ def sync_kernel(
     PDL: tl.constexpr,
     CLUSTER: tl.constexpr,
     PREFETCH: tl.constexpr,
+    OWN: tl.constexpr,
 ):
     """Grid (C, T): chunk c of token t, its blocks as a [ROWS, BLOCK] tile and its new prefix p
     held in registers throughout (RELOAD: the blocks read again after barrier 1 instead).
@@ -650,7 +674,9 @@ def sync_kernel(
     send their records into each other's shared memory and wait for the peers' there instead
     (`stats` and `arrivals` unused): the same arithmetic, the same bits; EXCHANGE: the bytes of
     that exchange past the kernel's own shared memory (plan.exchange_bytes). PREFETCH: the
-    rows asked of L2 at entry, before the PDL wait (plan.PREFETCH_MAX_T: few tokens only)."""
+    rows asked of L2 at entry, before the PDL wait (plan.PREFETCH_MAX_T: few tokens only). OWN >= 0:
+    rank OWN's partial read from `own` [T, H] in place of its slot (the row and tile kernels alike);
+    OWN = -1 with `own` the constexpr None."""
     if PHASE == 0 and PREFETCH:
         # Few programs in all, each waiting on its loads: every row it reads is asked of L2
         # first, before the PDL wait, so the lines come while the kernel ahead finishes (L2 holds
@@ -658,12 +684,14 @@ def sync_kernel(
         t = tl.program_id(1).to(tl.int64)
         wide = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK // 8) * 8
         inside = wide < H
-        _prefetch(mailbox, R, tl.num_programs(1).to(tl.int64), t, H, wide, inside)  # [R, T, H]
-        _prefetch(blocks, NB, 1, t * NB, H, wide, inside)  # [T, NB, H]: row t * NB + r
+        _prefetch(mailbox, R, tl.num_programs(1).to(tl.int64), t, H, wide, inside, OWN)  # [R, T, H]
+        if OWN >= 0:
+            _prefetch(own, 1, 1, t, H, wide, inside, -1)
+        _prefetch(blocks, NB, 1, t * NB, H, wide, inside, -1)  # [T, NB, H]: row t * NB + r
         if HAS_DELTA:
-            _prefetch(prefix_in, 1, 1, t, H, wide, inside)
-        _prefetch(norm, 1, 1, 0, H, wide, inside)
-        _prefetch(query, 1, 1, 0, H, wide, inside)
+            _prefetch(prefix_in, 1, 1, t, H, wide, inside, -1)
+        _prefetch(norm, 1, 1, 0, H, wide, inside, -1)
+        _prefetch(query, 1, 1, 0, H, wide, inside, -1)
     if PDL:
         # The grid may start before the kernel ahead of it on the stream has finished; every read
         # waits for that kernel's end (its writes then visible), so only the launch overlaps.
@@ -693,7 +721,7 @@ def sync_kernel(
         # every load before the prefix store: the compiler cannot move a load across a store
         # (prefix_out may alias an input), and a load after it would wait on its own
         w = _weights(norm, query, offs, mask)
-        p_bits = _new_prefix(mailbox, prefix_in, t, T, offs, mask, R, H, GROUPS, HAS_DELTA)
+        p_bits = _new_prefix(mailbox, own, prefix_in, t, T, offs, mask, R, H, GROUPS, HAS_DELTA, OWN)
         tl.store(prefix_out + t * H + offs, _as_bf16(p_bits), mask=mask)
         p = _as_f32(p_bits)
         # one reduction: p's products ride in row 0 of two more [ROWS, BLOCK] tiles

@@ -8,8 +8,9 @@ content-addressed under cache_dir() and named in the call with its entry, shared
 launch shape; the C++ side loads it once per CUDA context.
 
 The launch's parameters (oproj_jax/launch.py) are the kernel's pointers in Triton's order: the
-operands, then the results (the kernels of kernel.py have no runtime scalars), then the null
-pointers Triton appends for its global and profile scratch (refused here if a kernel needs
+operands, then the results (the kernels of kernel.py have no runtime scalars), then the caller's
+own partial where the launch reads one in place (plan.make's `own`), then the null pointers Triton
+appends for its global and profile scratch (refused here if a kernel needs
 either); thread block clusters where the plan's launch has them (sync-*-cluster). A result
 the kernel reads as passed in (the sync kernels' arrival counters, which must start at zero)
 is given as an extra zeros operand aliased to it: XLA zeroes it inside its graph, and the
@@ -108,20 +109,22 @@ def check_block(kernel: str, block: int) -> None:
         raise ValueError(f"{kernel}: expected whole warps, 32..1024 threads per program, got {block}")
 
 
-def lower(launch: launch_plan.Launch, arrays, out_shape, aliases, zeroed, compute_capability):
+def lower(launch: launch_plan.Launch, arrays, out_shape, aliases, zeroed, compute_capability, after=()):
     """One launch of `launch` as a call of TARGET (TRACED_TARGET above RECORD_MAX_T tokens): the
     results `out_shape` (the first is [T, H] in every launch of plan.py), `aliases` {operand:
-    result}; the results in `zeroed` start at zero."""
+    result}; the results in `zeroed` start at zero. The kernel's pointers are `arrays`, the
+    results, then `after` (operands the kernel takes after its results: the own partial)."""
     cc = capability(compute_capability)
-    types = tuple(POINTER_TYPES[np.dtype(x.dtype)] for x in (*arrays, *out_shape))
+    types = tuple(POINTER_TYPES[np.dtype(x.dtype)] for x in (*arrays, *out_shape, *after))
     image = compile_launch(launch, types, cc)
     check_block(launch.kernel, image.block)
     zeros = [jnp.zeros(out_shape[i].shape, out_shape[i].dtype) for i in zeroed]
-    operands = (*arrays, *zeros)
+    operands = (*arrays, *after, *zeros)
     first_result = len(operands)
     pointers = [*range(len(arrays)), *(first_result + i for i in range(len(out_shape)))]
+    pointers += range(len(arrays), len(arrays) + len(after))
     params = [*map(ffi_launch.buffer, pointers), *[ffi_launch.NULL] * image.extra_params]
-    inplace = [(len(arrays) + n, i) for n, i in enumerate(zeroed)]
+    inplace = [(len(arrays) + len(after) + n, i) for n, i in enumerate(zeroed)]
     aliases = {**(aliases or {}), **dict(inplace)}
     kernel_launch = ffi_launch.Launch(
         image.path,

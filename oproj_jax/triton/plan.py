@@ -292,6 +292,7 @@ def make(
     variant: str | None = None,
     pdl: bool = False,
     clusters: bool = False,
+    own: int | None = None,
 ) -> Plan:
     """The launch of one call (arguments already checked, api.check_arguments). `variant`: a
     name of VARIANTS in place of default_variant's (for the tests). `pdl`: launch the sync kernel
@@ -299,9 +300,13 @@ def make(
     kernels are launched without). `clusters`: the launch uses thread block clusters (a GPU of
     CLUSTER_CAPABILITIES through the package's launch or the PyTorch launch, or Triton's
     interpreter, which runs the sync kernel's stretches as launches of their own): the default
-    takes a cluster configuration at small T, and only then may `variant` name one."""
+    takes a cluster configuration at small T, and only then may `variant` name one. `own`: the
+    mailbox slot whose partial the launch passes as its last pointer, `own` [T, H], read there
+    in place of the slot (the constexpr OWN; None: OWN = -1 and the kernels' `own` parameter the
+    constexpr None, so that launch compiles as if the parameter were not there)."""
     chosen = choose(variant, T, H, clusters)
-    shared = dict(R=R, NB=NB, H=H, GROUPS=groups, HAS_DELTA=bool(has_delta))
+    shared = dict(R=R, NB=NB, H=H, GROUPS=groups, HAS_DELTA=bool(has_delta), OWN=-1 if own is None else int(own))
+    shared |= dict(own=None) if own is None else {}
     shared |= dict(REPS=xmoe_replicas, EPS=float(eps), OUT_EPS=float(out_eps))
     launch = lambda kernel, grid, constexprs, pdl=False: Launch(  # noqa: E731
         kernel, grid, tuple(sorted(constexprs.items())), chosen.num_warps, chosen.max_registers, pdl

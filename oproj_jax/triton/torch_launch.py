@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 
 from oproj_jax.options import Options, takes_options
-from oproj_jax.contract import TorchResult, check_tensors
+from oproj_jax.contract import TorchResult, check_tensor_partial, check_tensors
 from oproj_jax.triton import kernel
 from oproj_jax.triton import plan as launch_plan
 
@@ -101,6 +101,8 @@ def consumer(
     query,
     out_norm,
     *,
+    partial=None,
+    rank: int = 0,
     variant: str | None = None,
     arrivals=None,
     pdl: bool | None = None,
@@ -108,6 +110,8 @@ def consumer(
 ) -> TorchResult:
     """The arguments and options of oproj_jax.consumer, as bf16 torch.Tensors (see the module
     docstring). Returns TorchResult(prefix (the argument, updated), output, xmoe or None).
+    `partial` [T, H] (or None): the caller's own partial, read in place of mailbox slot `rank`
+    (that slot is never read), as oproj_jax.consumer's.
     `variant`: a name of plan.VARIANTS in place of plan.default_variant's, for the tests.
     `arrivals`: the sync kernel's barrier counters, kept by the caller (arrival_counters: int32,
     >= 2 T of them, zero; the call leaves them at zero); None: zeroed counters for this call
@@ -120,6 +124,7 @@ def consumer(
 
     named = dict(mailbox=mailbox, prefix=prefix, blocks=blocks, norm=norm, query=query, out_norm=out_norm)
     check_tensors(torch, **named)
+    rank = check_tensor_partial(torch, partial, rank, mailbox)
     options = Options.from_kwargs(options)
     R, T, H = mailbox.shape
     NB = blocks.shape[1]
@@ -127,8 +132,9 @@ def consumer(
         _check_arrivals(torch, arrivals, T, mailbox.device)
     pdl = _use_pdl(torch, mailbox.device, pdl)
     clusters = _has_clusters(torch, mailbox.device)
-    plan = launch_plan.make(R, T, NB, H, **options.asdict(), variant=variant, pdl=pdl, clusters=clusters)
-    _check_launchable(torch, named)
+    own = None if partial is None else rank
+    plan = launch_plan.make(R, T, NB, H, **options.asdict(), variant=variant, pdl=pdl, clusters=clusters, own=own)
+    _check_launchable(torch, named if partial is None else dict(named, partial=partial))
     output = torch.empty_like(prefix)
     xmoe = (
         torch.empty((options.xmoe_replicas, T, H), dtype=prefix.dtype, device=prefix.device)
@@ -148,6 +154,7 @@ def consumer(
             elif arrivals is None:
                 arrivals = torch.zeros(plan.arrivals_shape, dtype=torch.int32, device=prefix.device)
             arrays += (stats, arrivals)
+        arrays += () if partial is None else (partial,)  # the kernels' last pointer, after the results
         for launch in plan.stages() if interpreted() else (plan.launch,):  # interpreted: one per barrier stretch
             _run(launch, *arrays)
     return TorchResult(prefix, output, xmoe)
