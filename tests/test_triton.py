@@ -399,8 +399,28 @@ def test_prefetch_only_at_few_tokens(tmp_path, monkeypatch):
     assert all(dict(stage.constexprs)["PREFETCH"] is False for stage in few.stages())
     ptx = _compile_sm90(few.launch).asm["ptx"]
     assert ptx.count("prefetch.global.L2") == 16 + 8 + 3
-    assert ptx.index("prefetch.global.L2") < ptx.index("ld.global")
+    assert ptx.index("prefetch.global.L2") < re.search(r"ld\.(?:volatile\.)?global", ptx).start()
     assert "prefetch" not in _compile_sm90(many.launch).asm["ptx"]
+
+
+def test_loads_first_at_few_tokens_where_the_rows_fit(tmp_path, monkeypatch):
+    """Up to plan.LOADS_FIRST_MAX_T tokens a sync program whose rows fit in registers loads all
+    of them (R partials, the old prefix, norm, query, out_norm, NB blocks: volatile loads) in one
+    loop body before any arithmetic; with more tokens, R = 64 ranks (rows beyond the register
+    budget) or blocks read again, it loads among the sums (no volatile load)."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    first = lambda p: dict(p.launch.constexprs)["LOADS_FIRST"]  # noqa: E731
+    few = plan.make(16, plan.LOADS_FIRST_MAX_T, 8, 7168, **PRODUCTION, clusters=True)
+    assert first(few) and first(plan.make(16, 1, 8, 7168, **PRODUCTION, variant="sync-256-w1"))
+    assert not first(plan.make(16, plan.LOADS_FIRST_MAX_T + 1, 8, 7168, **PRODUCTION, clusters=True))
+    assert not first(plan.make(64, 1, 8, 7168, **PRODUCTION, clusters=True))
+    assert not first(plan.make(16, 1, 8, 7168, **PRODUCTION, variant="sync-1024-w4-reload-r64"))
+    ptx = _compile_sm90(few.launch).asm["ptx"]
+    volatile = [m.start() for m in re.finditer(r"ld\.volatile\.global", ptx)]
+    assert len(volatile) == 16 + 1 + 3 + 8 and "ld.global" not in ptx.replace("ld.global.nc", "")[: volatile[0]]
+    body = ptx[volatile[0] : volatile[-1]]
+    assert not re.search(r"\b(?:add|mul)\.rn\.f32\b", body), "arithmetic among the loads"
+    assert "ld.volatile" not in _compile_sm90(plan.make(16, 16, 8, 7168, **PRODUCTION, clusters=True).launch).asm["ptx"]
 
 
 def test_sync_kernel_with_pdl_waits_before_reading(tmp_path, monkeypatch):

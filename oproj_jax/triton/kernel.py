@@ -57,22 +57,43 @@ def _as_bf16(bits):
 
 
 @triton.jit
-def _published(x):
-    # Producers publish -0.0 as +0.0 (docs/spec.md, "Mailbox protocol"); a compare with 0
-    # catches both zeros, so an all-zero rank sum is +0.0 on every backend.
-    x = _widen(x)
-    return tl.where(x == 0.0, 0.0, x)
+def _partials(mailbox, own, t, T, offs, mask, R: tl.constexpr, H: tl.constexpr, OWN: tl.constexpr,
+              VOLATILE: tl.constexpr = False):  # fmt: skip
+    """Token t's R partials at `offs` (bf16), a tuple in rank order: mailbox slot r, or for r ==
+    OWN the caller's own partial `own` [T, H], read in place (slot OWN is never read)."""
+    parts = ()
+    for r in tl.static_range(R):
+        if r == OWN:
+            row = own + t * H + offs
+        else:
+            row = mailbox + (r * T + t) * H + offs
+        parts = parts + (tl.load(row, mask=mask, other=0.0, volatile=VOLATILE),)
+    return parts
 
 
 @triton.jit
-def _partial(mailbox, own, r: tl.constexpr, t, T, H: tl.constexpr, offs, mask, OWN: tl.constexpr):
-    """Rank r's partial at `offs` of token t: mailbox slot r, or for r == OWN the caller's own
-    partial `own` [T, H], read in place (slot OWN is never read)."""
-    if r == OWN:
-        row = own + t * H + offs
-    else:
-        row = mailbox + (r * T + t) * H + offs
-    return _published(tl.load(row, mask=mask, other=0.0))
+def _prefix_bits(parts, old, R: tl.constexpr, GROUPS: tl.constexpr, HAS_DELTA: tl.constexpr):
+    """The bits of the new prefix from the partials `parts` (_partials) and the old prefix `old`
+    (bf16; unread without HAS_DELTA). The f32 adds follow reference.rank_sum exactly (group g:
+    ranks g*S .. g*S+S-1 left to right, then the groups in order): the prefix bits depend on it.
+    Only adds on this path, so nothing can contract into an FMA. Producers publish -0.0 as +0.0
+    (docs/spec.md, "Mailbox protocol"): the sum adds +0.0 last, which turns the -0.0 of a sum of
+    -0.0s into +0.0 and leaves every other sum as it is (a -0.0 addend changes no other sum), so
+    an all-zero rank sum is +0.0 on every backend."""
+    PER_GROUP: tl.constexpr = (R + GROUPS - 1) // GROUPS
+    for first in tl.static_range(0, R, PER_GROUP):
+        group = _widen(parts[first])
+        for r in tl.static_range(first + 1, first + PER_GROUP):
+            if r < R:
+                group = group + _widen(parts[r])
+        if first == 0:
+            total = group
+        else:
+            total = total + group
+    reduced = _round(total + 0.0)  # ROUND 1: the reduced partials are bf16
+    if HAS_DELTA:
+        return _round(_widen(old) + _as_f32(reduced))  # ROUND 2: the prefix is bf16
+    return reduced
 
 
 @triton.jit
@@ -90,25 +111,17 @@ def _new_prefix(
     HAS_DELTA: tl.constexpr,
     OWN: tl.constexpr,
 ):
-    """The bits of the new prefix at `offs` of token t. The f32 adds follow reference.rank_sum
-    exactly (group g: ranks g*S .. g*S+S-1 left to right, then the groups in order): the
-    prefix bits depend on it. Only adds on this path, so nothing can contract into an FMA.
-    Rank OWN's partial is read from `own` (_partial); OWN < 0: every rank's from the mailbox."""
-    PER_GROUP: tl.constexpr = (R + GROUPS - 1) // GROUPS
-    for first in tl.static_range(0, R, PER_GROUP):
-        group = _partial(mailbox, own, first, t, T, H, offs, mask, OWN)
-        for r in tl.static_range(first + 1, first + PER_GROUP):
-            if r < R:
-                group = group + _partial(mailbox, own, r, t, T, H, offs, mask, OWN)
-        if first == 0:
-            total = group
-        else:
-            total = total + group
-    reduced = _round(total)  # ROUND 1: the reduced partials are bf16
+    """The bits of the new prefix at `offs` of token t (_prefix_bits of the rows read here)."""
+    parts = _partials(mailbox, own, t, T, offs, mask, R, H, OWN)
+    return _prefix_bits(parts, _old_prefix(prefix_in, t, offs, mask, H, HAS_DELTA), R, GROUPS, HAS_DELTA)
+
+
+@triton.jit
+def _old_prefix(prefix_in, t, offs, mask, H: tl.constexpr, HAS_DELTA: tl.constexpr, VOLATILE: tl.constexpr = False):
+    """Token t's old prefix at `offs` (bf16); zeros, and nothing read, without HAS_DELTA."""
     if HAS_DELTA:
-        old = _widen(tl.load(prefix_in + t * H + offs, mask=mask, other=0.0))
-        return _round(old + _as_f32(reduced))  # ROUND 2: the prefix is bf16
-    return reduced
+        return tl.load(prefix_in + t * H + offs, mask=mask, other=0.0, volatile=VOLATILE)
+    return tl.zeros(offs.shape, tl.bfloat16)
 
 
 @triton.jit
@@ -623,6 +636,52 @@ def _block_tile(blocks, t, j, offs, mask, NB: tl.constexpr, H: tl.constexpr):
 
 
 @triton.jit
+def _rows(
+    mailbox, own, prefix_in, blocks, norm, query, out_norm, t, T, j, offs, mask,
+    R: tl.constexpr, NB: tl.constexpr, H: tl.constexpr, HAS_DELTA: tl.constexpr, OWN: tl.constexpr,
+):  # fmt: skip
+    """Every row a sync program reads (bf16, volatile loads): the partials' tuple, the old
+    prefix, norm, query, out_norm, the blocks' [ROWS, BLOCK] tile."""
+    parts = _partials(mailbox, own, t, T, offs, mask, R, H, OWN, True)
+    old = _old_prefix(prefix_in, t, offs, mask, H, HAS_DELTA, True)
+    norm_bits = tl.load(norm + offs, mask=mask, other=0.0, volatile=True)
+    query_bits = tl.load(query + offs, mask=mask, other=0.0, volatile=True)
+    on = tl.load(out_norm + offs, mask=mask, other=0.0, volatile=True)
+    rows = blocks + (t * NB + j[:, None]) * H + offs[None, :]
+    b = tl.load(rows, mask=(j[:, None] < NB) & mask[None, :], other=0.0, volatile=True)
+    return parts, old, norm_bits, query_bits, on, b
+
+
+@triton.jit
+def _rows_first(
+    mailbox, own, prefix_in, blocks, norm, query, out_norm, t, T, j, offs, mask,
+    R: tl.constexpr, NB: tl.constexpr, H: tl.constexpr, HAS_DELTA: tl.constexpr, OWN: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):  # fmt: skip
+    """_rows, all loads in one loop body run once (the grid's z extent is 1). ptxas puts no
+    arithmetic among the loads of one body, so all of them are in flight before the first
+    result is waited for; in straight-line code it issues a few, then the sums that wait on
+    them, then the next few, one memory round trip after another. The loads are volatile, so
+    that no compiler moves one out of the loop. INTERPRETED: Triton's interpreter, which takes
+    no tensor as a loop bound, reads the rows without the loop."""
+    if INTERPRETED:
+        return _rows(
+            mailbox, own, prefix_in, blocks, norm, query, out_norm, t, T, j, offs, mask, R, NB, H, HAS_DELTA, OWN
+        )
+    zero = tl.zeros(offs.shape, tl.bfloat16)
+    parts = ()
+    for r in tl.static_range(R):
+        parts = parts + (zero,)
+    old, norm_bits, query_bits, on = zero, zero, zero, zero
+    b = tl.zeros((j.shape[0], offs.shape[0]), tl.bfloat16)
+    for _ in range(tl.num_programs(2)):  # 1, a value no compiler knows
+        parts, old, norm_bits, query_bits, on, b = _rows(
+            mailbox, own, prefix_in, blocks, norm, query, out_norm, t, T, j, offs, mask, R, NB, H, HAS_DELTA, OWN
+        )
+    return parts, old, norm_bits, query_bits, on, b
+
+
+@triton.jit
 def sync_kernel(
     mailbox,
     prefix_in,
@@ -656,6 +715,7 @@ def sync_kernel(
     PDL: tl.constexpr,
     CLUSTER: tl.constexpr,
     PREFETCH: tl.constexpr,
+    LOADS_FIRST: tl.constexpr,
     OWN: tl.constexpr,
 ):
     """Grid (C, T): chunk c of token t, its blocks as a [ROWS, BLOCK] tile and its new prefix p
@@ -674,7 +734,8 @@ def sync_kernel(
     send their records into each other's shared memory and wait for the peers' there instead
     (`stats` and `arrivals` unused): the same arithmetic, the same bits; EXCHANGE: the bytes of
     that exchange past the kernel's own shared memory (plan.exchange_bytes). PREFETCH: the
-    rows asked of L2 at entry, before the PDL wait (plan.PREFETCH_MAX_T: few tokens only). OWN >= 0:
+    rows asked of L2 at entry, before the PDL wait (plan.PREFETCH_MAX_T: few tokens only). LOADS_FIRST:
+    every row read before any arithmetic (_rows_first; plan.loads_first). OWN >= 0:
     rank OWN's partial read from `own` [T, H] in place of its slot (the row and tile kernels alike);
     OWN = -1 with `own` the constexpr None."""
     if PHASE == 0 and PREFETCH:
@@ -711,17 +772,28 @@ def sync_kernel(
     T = tl.num_programs(1).to(tl.int64)
     offs = c * BLOCK + tl.arange(0, BLOCK)
     mask = offs < H
-    if PHASE == 0 and not RELOAD:
-        # read now, not after barrier 2: no load waits at the end (RELOAD keeps its registers)
-        on_early = tl.load(out_norm + offs, mask=mask, other=0.0)
     j = tl.arange(0, ROWS)
     record = stats + (t * CHUNKS + c) * RECORD
-    b = _block_tile(blocks, t, j, offs, mask, NB, H)
+    if LOADS_FIRST and PHASE <= 1:
+        parts, old, norm_bits, query_bits, on_early, b_bits = _rows_first(
+            mailbox, own, prefix_in, blocks, norm, query, out_norm, t, T, j, offs, mask, R, NB, H, HAS_DELTA, OWN,
+            PHASE != 0,
+        )  # fmt: skip
+        b = _widen(b_bits)
+    else:
+        if PHASE == 0 and not RELOAD:
+            # read now, not after barrier 2: no load waits at the end (RELOAD keeps its registers)
+            on_early = tl.load(out_norm + offs, mask=mask, other=0.0)
+        b = _block_tile(blocks, t, j, offs, mask, NB, H)
     if PHASE <= 1:
         # every load before the prefix store: the compiler cannot move a load across a store
         # (prefix_out may alias an input), and a load after it would wait on its own
-        w = _weights(norm, query, offs, mask)
-        p_bits = _new_prefix(mailbox, own, prefix_in, t, T, offs, mask, R, H, GROUPS, HAS_DELTA, OWN)
+        if LOADS_FIRST:
+            w = _widen(norm_bits) * _widen(query_bits)
+            p_bits = _prefix_bits(parts, old, R, GROUPS, HAS_DELTA)
+        else:
+            w = _weights(norm, query, offs, mask)
+            p_bits = _new_prefix(mailbox, own, prefix_in, t, T, offs, mask, R, H, GROUPS, HAS_DELTA, OWN)
         tl.store(prefix_out + t * H + offs, _as_bf16(p_bits), mask=mask)
         p = _as_f32(p_bits)
         # one reduction: p's products ride in row 0 of two more [ROWS, BLOCK] tiles

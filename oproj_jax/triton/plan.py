@@ -33,7 +33,9 @@ Configurations (kernel.py has the kernels), named kind-columns-warps:
 The sync kernel leaves its arrival counters at zero (the last arrival resets them), so a caller
 may keep one set from call to call instead of zeroing it before each launch. On sm_90 and newer
 the launchers start it with programmatic dependent launch (`pdl`): its launch overlaps the end of
-the kernel ahead of it, whose writes it waits for before reading anything.
+the kernel ahead of it, whose writes it waits for before reading anything. Up to LOADS_FIRST_MAX_T
+tokens a sync program whose rows fit in registers loads all of them before any arithmetic
+(loads_first).
 """
 
 from __future__ import annotations
@@ -73,6 +75,13 @@ PDL_MIN_CAPABILITY = 90  # griddepcontrol (programmatic dependent launch) is sm_
 # after the wait, 5.20 / 5.80 never asked (sync-1024-w4-cluster on the H200); at T = 64 it cost (12.43 against 11.00
 # asked after the wait: 448 programs, each line asked of L2 twice).
 PREFETCH_MAX_T = 8
+# sync, up to this many tokens: a program loads every row it reads before any arithmetic (kernel.py _rows_first,
+# LOADS_FIRST) where they fit in LOADS_FIRST_REGISTERS registers a thread (bf16 pairs: 112 at R = 16, NB = 8 and 8
+# columns a thread). Pipelined on the H200 (docs/perf.md): sync-256-w1 4.65-4.76 / 5.29-5.34 us at T = 1 / 8 against
+# 4.90-4.92 / 5.67-5.78 loading among the sums, sync-1024-w4-cluster 3.38-3.57 / 3.77-3.85 against 3.53-3.59 /
+# 3.85-3.93; at T = 64 (448 programs, 165 registers a thread) it cost 40-50 %.
+LOADS_FIRST_MAX_T = 8
+LOADS_FIRST_REGISTERS = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,6 +286,15 @@ def exchange_bytes(chunks: int, rows: int) -> int:
     return (chunks * record_lanes(rows) * 4 + 7) // 8 * 8 + 16
 
 
+def loads_first(variant: Variant, R: int, T: int, NB: int) -> bool:
+    """Whether a sync program loads every row it reads before any arithmetic (kernel.py
+    _rows_first): few tokens (LOADS_FIRST_MAX_T), the rows fitting in LOADS_FIRST_REGISTERS
+    registers a thread (R + NB + 4 rows of block / (32 * num_warps) bf16 each), the blocks held."""
+    per_thread = variant.block // (32 * variant.num_warps)
+    fits = (R + NB + 4) * per_thread // 2 <= LOADS_FIRST_REGISTERS
+    return variant.kind == "sync" and not variant.reload and T <= LOADS_FIRST_MAX_T and fits
+
+
 @functools.lru_cache(maxsize=256)  # eager PyTorch calls ask for the same plan again and again
 def make(
     R: int,
@@ -321,7 +339,7 @@ def make(
     span = dict(BLOCK=chosen.block, ROWS=rows, CHUNKS=chunks, SPAN=_pow2(chunks))
     span |= dict(RECORD=record_lanes(rows), EXCHANGE=exchange_bytes(chunks, rows) if chosen.cluster else 0)
     whole = dict(shared, **span, POLLS=SYNC_POLLS, PHASE=0, RELOAD=chosen.reload, PDL=bool(pdl), CLUSTER=chosen.cluster)
-    whole |= dict(PREFETCH=T <= PREFETCH_MAX_T)
+    whole |= dict(PREFETCH=T <= PREFETCH_MAX_T, LOADS_FIRST=loads_first(chosen, R, T, NB))
     kernel = dataclasses.replace(
         launch("sync_kernel", (chunks, T), whole, bool(pdl)), cluster=chunks if chosen.cluster else 0
     )
