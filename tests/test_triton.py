@@ -421,6 +421,20 @@ def test_loads_first_at_few_tokens_where_the_rows_fit(tmp_path, monkeypatch):
     body = ptx[volatile[0] : volatile[-1]]
     assert not re.search(r"\b(?:add|mul)\.rn\.f32\b", body), "arithmetic among the loads"
     assert "ld.volatile" not in _compile_sm90(plan.make(16, 16, 8, 7168, **PRODUCTION, clusters=True).launch).asm["ptx"]
+    # ptxas's schedule: the 28 loads one after another, no float arithmetic among them
+    import triton.backends.nvidia
+
+    cuobjdump = pathlib.Path(triton.backends.nvidia.__file__).parent / "bin" / "cuobjdump"
+    if not cuobjdump.is_file():
+        pytest.skip("no cuobjdump in Triton's NVIDIA backend")
+    cubin = tmp_path / "few.cubin"
+    cubin.write_bytes(_compile_sm90(few.launch).asm["cubin"])
+    sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?P\d\s+)?([A-Z][A-Z0-9.]*)", sass)
+    loads = [i for i, op in enumerate(ops) if op.startswith("LDG")]
+    assert len(loads) == 16 + 1 + 3 + 8, len(loads)
+    among = [op for op in ops[loads[0] : loads[-1]] if op.split(".")[0] in ("FADD", "FMUL", "FFMA", "FSEL", "FSETP")]
+    assert not among and loads[-1] - loads[0] < 100, (loads, among)
 
 
 def test_sync_kernel_with_pdl_waits_before_reading(tmp_path, monkeypatch):
