@@ -97,6 +97,14 @@ def _prefix_bits(parts, old, R: tl.constexpr, GROUPS: tl.constexpr, HAS_DELTA: t
 
 
 @triton.jit
+def _old_prefix(prefix_in, t, offs, mask, H: tl.constexpr, HAS_DELTA: tl.constexpr, VOLATILE: tl.constexpr = False):
+    """Token t's old prefix at `offs` (bf16); zeros, and nothing read, without HAS_DELTA."""
+    if HAS_DELTA:
+        return tl.load(prefix_in + t * H + offs, mask=mask, other=0.0, volatile=VOLATILE)
+    return tl.zeros(offs.shape, tl.bfloat16)
+
+
+@triton.jit
 def _new_prefix(
     mailbox,
     own,
@@ -114,14 +122,6 @@ def _new_prefix(
     """The bits of the new prefix at `offs` of token t (_prefix_bits of the rows read here)."""
     parts = _partials(mailbox, own, t, T, offs, mask, R, H, OWN)
     return _prefix_bits(parts, _old_prefix(prefix_in, t, offs, mask, H, HAS_DELTA), R, GROUPS, HAS_DELTA)
-
-
-@triton.jit
-def _old_prefix(prefix_in, t, offs, mask, H: tl.constexpr, HAS_DELTA: tl.constexpr, VOLATILE: tl.constexpr = False):
-    """Token t's old prefix at `offs` (bf16); zeros, and nothing read, without HAS_DELTA."""
-    if HAS_DELTA:
-        return tl.load(prefix_in + t * H + offs, mask=mask, other=0.0, volatile=VOLATILE)
-    return tl.zeros(offs.shape, tl.bfloat16)
 
 
 @triton.jit
