@@ -7,8 +7,9 @@ argument errors. The GPU runs are tests/test_triton_gpu.py.
     over the summation orders, has_delta, NB = 0, xmoe, R = 1 and 2, -0.0, NaN and infinities,
     small H and H = 7168 once; each call held to testing.check_result (prefix bit for bit).
   * sm_90: triton.compile with GPUTarget("cuda", 90, 32) gives PTX and a cubin for every kernel
-    of the plans the launchers run, with no FMA and `.rn` on every f32 add and mul (contraction
-    off: the prefix is adds only, and JAX's and PyTorch's launches emit the same arithmetic).
+    of the plans the launchers run, with `.rn` on every f32 add, mul and FMA and no FMA but the
+    sync kernel's written ones (contraction off: the prefix is adds only, and JAX's and PyTorch's
+    launches emit the same arithmetic).
   * JAX: backend.launch(..., compute_capability=90) under jax.jit lowers for CUDA, through the
     package's FFI target and through jax_triton (jax_triton=True: its custom call, jax_triton
     compiling the PTX for sm_90 here; the CUDA plugin's kernel-call objects, absent from a CPU
@@ -283,17 +284,32 @@ def _compile_sm90(launch: plan.Launch):
 
 
 @pytest.mark.parametrize("name", PLANS)
-def test_kernels_compile_for_sm90_without_fma(name, tmp_path, monkeypatch):
+def test_kernels_compile_for_sm90_without_contraction(name, tmp_path, monkeypatch):
+    """Every f32 add and mul rounded on its own (.rn: ptxas may not contract them); FMAs only where
+    the sync kernel writes them (its dot products and mix as chains over a thread's columns and
+    blocks, fma.rn.f32: one rounding, the same in every compiler), and there its bf16 roundings one
+    cvt.rn.bf16x2.f32 per two values; the row and tile kernels have neither."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     launch = PLANS[name].launch
     compiled = _compile_sm90(launch)
     ptx = compiled.asm["ptx"]
     assert ".target sm_90" in ptx and f".entry {launch.kernel}" in ptx
     assert compiled.asm["cubin"][:4] == b"\x7fELF", "no cubin"
-    assert not re.search(r"\bfma\.", ptx), f"{launch.kernel}: an FMA in the PTX"
+    assert not re.findall(r"\bfma\.(?!rn\.f32\b)\S+", ptx), f"{launch.kernel}: an FMA without .rn"
     bare = re.findall(r"\b(?:add|sub|mul)\.f32\b", ptx)
     assert not bare, f"{launch.kernel}: {len(bare)} f32 add/mul without .rn (ptxas may contract them)"
     assert re.search(r"\badd\.rn\.f32\b", ptx)
+    constexprs = dict(launch.constexprs)
+    written = launch.kernel == "sync_kernel"
+    assert ("cvt.rn.bf16x2.f32" in ptx) == written, "the sync kernel's roundings"
+    fmas = len(re.findall(r"\bfma\.rn\.f32\b", ptx))
+    if not written:
+        assert fmas == 0, f"{launch.kernel}: {fmas} FMAs"
+    elif not constexprs["RELOAD"]:
+        # the blocks' dots and squares and p's two (a chain of LANES each), at NB > 0 the mix
+        rows = max(1, constexprs["NB"])
+        chains = 2 * rows + 2 if constexprs["NB"] else 2
+        assert fmas >= chains * constexprs["LANES"] - chains, f"{fmas} FMAs"
 
 
 def _registers(launch: plan.Launch, folder: pathlib.Path) -> tuple[int, int]:
@@ -341,13 +357,13 @@ def test_sync_kernel_barriers_as_compiled(tmp_path, monkeypatch):
         assert "atom." not in _compile_sm90(stage).asm["ptx"], dict(stage.constexprs)["PHASE"]
 
 
-@pytest.mark.parametrize(("variant", "sends"), [("sync-1024-w4-cluster", 2), ("sync-1024-w2-cluster", 3)])
+@pytest.mark.parametrize(("variant", "sends"), [("sync-1024-w4-cluster", 2)])
 def test_cluster_configuration_sends_its_records_to_the_peers_barriers(tmp_path, monkeypatch, variant, sends):
     """A sync configuration launched in clusters: thread 0 makes two transaction barriers
     (mbarrier, one per meeting) past Triton's shared memory (the launch asks for the exchange's
     bytes more), fences them for the cluster, then one relaxed arrival and wait lets the programs
     write into each other's shared memory; each sends its record to the peers with st.async
-    (indexed by thread: 6 peers x 18 lanes, one pass of 128 threads or two of 64, then y.y) and
+    (indexed by thread: 6 peers x 18 lanes, one pass of 128 threads, then y.y) and
     waits on its own barrier for their bytes; no cluster barrier with release or acquire (no
     fence waits for the prefix's stores), no atomic, no poll, no trap, no record in global memory;
     the launch names clusters of its C = 7 programs and has no counters; the interpreter's
@@ -712,13 +728,12 @@ def test_unavailable_reasons_name_what_is_missing():
 
 
 def test_default_rule_with_clusters():
-    """Where the launch uses clusters: sync-1024-w4-cluster up to 32 tokens (7 programs a token at the
-    production H), sync-1024-w2-cluster up to 64, sync-2048-w8-cluster where H needs more than 8
-    programs of 1024 columns, from 65 tokens sync-1024-w4-reload-cluster-r64, the rule without
-    clusters past the programs' bound."""
+    """Where the launch uses clusters: sync-1024-w4-cluster up to 64 tokens (7 programs a token at the
+    production H), sync-2048-w8-cluster where H needs more than 8 programs of 1024 columns, from 65
+    tokens sync-1024-w4-reload-cluster-r64, the rule without clusters past the programs' bound."""
     by_t = [plan.default_variant(t, 7168, clusters=True) for t in (1, 32, 33, 64, 65, 4096)]
-    assert by_t == ["sync-1024-w4-cluster"] * 2 + ["sync-1024-w2-cluster"] * 2 + ["sync-1024-w4-reload-cluster-r64"] * 2
-    assert plan.default_variant(64, 8192, clusters=True) == "sync-1024-w2-cluster"  # 8 programs
+    assert by_t == ["sync-1024-w4-cluster"] * 4 + ["sync-1024-w4-reload-cluster-r64"] * 2
+    assert plan.default_variant(64, 8192, clusters=True) == "sync-1024-w4-cluster"  # 8 programs
     assert plan.default_variant(65, 8193, clusters=True) == plan.default_variant(65, 8193) == "sync-1024-w4-reload-r64"
     assert plan.default_variant(1, 8192, clusters=True) == "sync-1024-w4-cluster"  # 8 programs
     assert plan.default_variant(1, 8193, clusters=True) == "sync-2048-w8-cluster"
@@ -757,7 +772,12 @@ def test_default_rule_by_tokens():
     shapes = [(T, H) for T in (1, 64, 512, 65536) for H in (7168, 16384, 16896, 32769, 65537)]
     taken = {plan.default_variant(T, H, clusters) for T, H in shapes for clusters in (False, True)}
     counterparts = {name.replace("-cluster", "") for name in taken if "-cluster" in name}
-    assert taken | counterparts == set(plan.VARIANTS) and "sync-1024-w2" in counterparts - taken
+    assert taken | counterparts == set(plan.VARIANTS)
+    # a sync program's thread holds 4 or 8 columns, the lengths of the kernel's FMA chains (its LANES)
+    for name, variant in plan.VARIANTS.items():
+        if variant.kind == "sync":
+            launch = plan.make(16, 3, 8, 7168, **PRODUCTION, variant=name, clusters=variant.cluster).launch
+            assert dict(launch.constexprs)["LANES"] == variant.block // (32 * variant.num_warps) in (4, 8), name
 
 
 def test_plan_shapes():

@@ -23,7 +23,14 @@ Which kernel runs, and its launch parameters: plan.py.
 
 Rounding: bf16 <-> f32 conversions are done on the bits (to nearest, ties to even, by hand):
 the GPU's cvt.rn.bf16.f32 rounds so too, Triton's interpreter truncates, and the interpreter
-tests are to hold the bits the GPU gives.
+tests are to hold the bits the GPU gives. The sync kernel's compiled launch (PHASE 0) rounds its
+output, and its prefix where it loads its rows first, with cvt.rn.bf16x2.f32 itself (the same
+bits, one instruction for two values).
+
+Arithmetic: no contraction (plan.ENABLE_FP_FUSION), so every f32 add and mul is rounded on its
+own and the JAX and PyTorch launches compute the same bits. The sync kernel writes its FMAs: a
+thread's dot products over its LANES columns and its mix over its blocks are chains of
+fma.rn.f32 (_fma_lanes), the columns a thread holds split out of the tile without moving data.
 """
 
 import triton
@@ -43,6 +50,54 @@ def _round(x):
     bits = x.to(tl.uint32, bitcast=True)
     nearest = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     return tl.where(x != x, 0x7FC0, nearest).to(tl.uint16)
+
+
+@triton.jit
+def _round_to(x, CVT: tl.constexpr):
+    """_round, or (CVT: compiled code, not Triton's interpreter) the GPU's cvt.rn.bf16x2.f32, one
+    instruction for two values: the same bits for every number and infinity, a quiet NaN for NaN."""
+    if CVT:
+        return tl.inline_asm_elementwise(
+            "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=tl.bfloat16, is_pure=True, pack=2
+        ).to(tl.uint16, bitcast=True)
+    return _round(x)
+
+
+@triton.jit
+def _split2(x):
+    """[..., 2k] (k >= 2) -> its elements 0, 2, 4, ... and 1, 3, 5, ... along the last axis, two
+    [..., k] tiles (where a thread holds the last axis, no data moves)."""
+    return tl.split(tl.reshape(x, x.shape[:-1] + (x.shape[-1] // 2, 2)))
+
+
+@triton.jit
+def _fma2(a, b, acc):
+    a0, a1 = tl.split(a)
+    b0, b1 = tl.split(b)
+    return tl.fma(a1, b1, tl.fma(a0, b0, acc))
+
+
+@triton.jit
+def _fma_lanes(a, b, acc, LANES: tl.constexpr):
+    """acc + the sum of a * b over the last axis of [..., LANES] tiles (broadcast against each
+    other), one chain of FMAs: [...]. LANES = 2, 4 or 8: elements a thread holds (the dot
+    products over its columns, the mix over its blocks), so no data moves."""
+    tl.static_assert(LANES == 2 or LANES == 4 or LANES == 8, "_fma_lanes: 2, 4 or 8 lanes")
+    if LANES == 2:
+        out = _fma2(a, b, acc)
+    elif LANES == 4:
+        a0, a1 = _split2(a)
+        b0, b1 = _split2(b)
+        out = _fma2(a1, b1, _fma2(a0, b0, acc))
+    else:
+        a0, a1 = _split2(a)
+        b0, b1 = _split2(b)
+        a00, a01 = _split2(a0)
+        a10, a11 = _split2(a1)
+        b00, b01 = _split2(b0)
+        b10, b11 = _split2(b1)
+        out = _fma2(a11, b11, _fma2(a10, b10, _fma2(a01, b01, _fma2(a00, b00, acc))))
+    return out
 
 
 @triton.jit
@@ -72,10 +127,11 @@ def _partials(mailbox, own, t, T, offs, mask, R: tl.constexpr, H: tl.constexpr, 
 
 
 @triton.jit
-def _prefix_bits(parts, old, R: tl.constexpr, GROUPS: tl.constexpr, HAS_DELTA: tl.constexpr):
+def _prefix_bits(parts, old, R: tl.constexpr, GROUPS: tl.constexpr, HAS_DELTA: tl.constexpr, CVT: tl.constexpr = False):
     """The bits of the new prefix from the partials `parts` (_partials) and the old prefix `old`
-    (bf16; unread without HAS_DELTA). The f32 adds follow reference.rank_sum exactly (group g:
-    ranks g*S .. g*S+S-1 left to right, then the groups in order): the prefix bits depend on it.
+    (bf16; unread without HAS_DELTA), rounded by _round_to(CVT). The f32 adds follow
+    reference.rank_sum exactly (group g: ranks g*S .. g*S+S-1 left to right, then the groups in
+    order): the prefix bits depend on it.
     Only adds on this path, so nothing can contract into an FMA. Producers publish -0.0 as +0.0
     (docs/spec.md, "Mailbox protocol"): the sum adds +0.0 last, which turns the -0.0 of a sum of
     -0.0s into +0.0 and leaves every other sum as it is (a -0.0 addend changes no other sum), so
@@ -90,9 +146,9 @@ def _prefix_bits(parts, old, R: tl.constexpr, GROUPS: tl.constexpr, HAS_DELTA: t
             total = group
         else:
             total = total + group
-    reduced = _round(total + 0.0)  # ROUND 1: the reduced partials are bf16
+    reduced = _round_to(total + 0.0, CVT)  # ROUND 1: the reduced partials are bf16
     if HAS_DELTA:
-        return _round(_widen(old) + _as_f32(reduced))  # ROUND 2: the prefix is bf16
+        return _round_to(_widen(old) + _as_f32(reduced), CVT)  # ROUND 2: the prefix is bf16
     return reduced
 
 
@@ -125,8 +181,8 @@ def _new_prefix(
 
 
 @triton.jit
-def _store_output(output, xmoe, t, T, offs, mask, y, REPS: tl.constexpr, H: tl.constexpr):
-    bits = _round(y)  # ROUND 3: the output is bf16
+def _store_output(output, xmoe, t, T, offs, mask, y, REPS: tl.constexpr, H: tl.constexpr, CVT: tl.constexpr = False):
+    bits = _round_to(y, CVT)  # ROUND 3: the output is bf16
     tl.store(output + t * H + offs, _as_bf16(bits), mask=mask)
     if REPS > 0:
         clean = _as_bf16(tl.where(bits == 0x8000, 0, bits).to(tl.uint16))  # xmoe: -0.0 written as +0.0
@@ -717,6 +773,7 @@ def sync_kernel(
     PREFETCH: tl.constexpr,
     LOADS_FIRST: tl.constexpr,
     OWN: tl.constexpr,
+    LANES: tl.constexpr,
 ):
     """Grid (C, T): chunk c of token t, its blocks as a [ROWS, BLOCK] tile and its new prefix p
     held in registers throughout (RELOAD: the blocks read again after barrier 1 instead).
@@ -737,7 +794,8 @@ def sync_kernel(
     rows asked of L2 at entry, before the PDL wait (plan.PREFETCH_MAX_T: few tokens only). LOADS_FIRST:
     every row read before any arithmetic (_rows_first; plan.loads_first). OWN >= 0:
     rank OWN's partial read from `own` [T, H] in place of its slot (the row and tile kernels alike);
-    OWN = -1 with `own` the constexpr None."""
+    OWN = -1 with `own` the constexpr None. LANES: the columns a thread holds (plan.lanes; 4 or 8),
+    along which its dots and squares are FMA chains (not RELOAD: under its register cap they spill)."""
     if PHASE == 0 and PREFETCH:
         # Few programs in all, each waiting on its loads: every row it reads is asked of L2
         # first, before the PDL wait, so the lines come while the kernel ahead finishes (L2 holds
@@ -790,19 +848,37 @@ def sync_kernel(
         # (prefix_out may alias an input), and a load after it would wait on its own
         if LOADS_FIRST:
             w = _widen(norm_bits) * _widen(query_bits)
-            p_bits = _prefix_bits(parts, old, R, GROUPS, HAS_DELTA)
+            p_bits = _prefix_bits(parts, old, R, GROUPS, HAS_DELTA, PHASE == 0)
         else:
             w = _weights(norm, query, offs, mask)
             p_bits = _new_prefix(mailbox, own, prefix_in, t, T, offs, mask, R, H, GROUPS, HAS_DELTA, OWN)
         tl.store(prefix_out + t * H + offs, _as_bf16(p_bits), mask=mask)
         p = _as_f32(p_bits)
-        # one reduction: p's products ride in row 0 of two more [ROWS, BLOCK] tiles
         first = (j == 0)[:, None]
-        dots, squares, p_dot, p_square = tl.reduce(
-            (b * w[None, :], b * b, tl.where(first, (p * w)[None, :], 0.0), tl.where(first, (p * p)[None, :], 0.0)),
-            1,
-            _add4,
-        )
+        if RELOAD:
+            # one reduction: p's products ride in row 0 of two more [ROWS, BLOCK] tiles (the FMA
+            # chains below spill under RELOAD's register cap)
+            dots, squares, p_dot, p_square = tl.reduce(
+                (b * w[None, :], b * b, tl.where(first, (p * w)[None, :], 0.0), tl.where(first, (p * p)[None, :], 0.0)),
+                1,
+                _add4,
+            )
+        else:
+            # a thread's LANES columns as the last axis of [ROWS, threads, LANES] tiles: each dot and
+            # square one chain of FMAs along it, then one reduction over the threads (p's products in
+            # row 0 of two more tiles)
+            b3 = tl.reshape(b, (ROWS, BLOCK // LANES, LANES))
+            w3 = tl.reshape(w, (1, BLOCK // LANES, LANES))
+            p3 = tl.reshape(p, (1, BLOCK // LANES, LANES))
+            dots, squares, p_dot, p_square = tl.reduce(
+                (
+                    _fma_lanes(b3, w3, 0.0, LANES), _fma_lanes(b3, b3, 0.0, LANES),
+                    tl.where(first, _fma_lanes(p3, w3, 0.0, LANES), 0.0),
+                    tl.where(first, _fma_lanes(p3, p3, 0.0, LANES), 0.0),
+                ),
+                1,
+                _add4,
+            )  # fmt: skip
         # the record as one [ROWS, 2, 2] tile (j, u, v): v = 0 the blocks' dots (u = 0) and squares
         # (u = 1) in lanes u * ROWS + j; v = 1 p.w and p.p in lanes 2 * ROWS + u, from row 0
         u = tl.arange(0, 2)[None, :, None]
@@ -832,7 +908,11 @@ def sync_kernel(
                 # held across the barrier, so a thread needs fewer registers and more programs
                 # share an SM (the occupancy a memory-bound launch of many tokens lacks).
                 b = _block_tile(blocks, t, j, offs, mask, NB, H)
-            y = tl.sum(alpha[:, None] * b, axis=0) + alpha_p * p  # padding rows: 0 times a zero row
+            if RELOAD:
+                y = tl.sum(alpha[:, None] * b, axis=0) + alpha_p * p  # padding rows: 0 times a zero row
+            else:
+                # a thread holds every block of its columns: one chain of FMAs over them
+                y = _fma_lanes(tl.permute(b, (1, 0)), alpha, alpha_p * p, ROWS)
     if PHASE == 0 or PHASE == 2:
         lane = tl.full([1, 1, 1], YY, tl.int32)
         yy = tl.full([1, 1, 1], 0.0, tl.float32) + tl.sum(y * y, axis=0)  # y.y >= 0: adding +0.0 keeps its bits
@@ -849,4 +929,4 @@ def sync_kernel(
             on = _widen(on_early)
         else:
             on = _widen(tl.load(out_norm + offs, mask=mask, other=0.0))
-        _store_output(output, xmoe, t, T, offs, mask, (y * _out_scale(yy, H, OUT_EPS)) * on, REPS, H)
+        _store_output(output, xmoe, t, T, offs, mask, (y * _out_scale(yy, H, OUT_EPS)) * on, REPS, H, PHASE == 0)

@@ -57,8 +57,9 @@ SYNC_POLLS = 1 << 24
 # sync: the tokens are the grid's second axis (the chunks the first, so that a token's programs
 # are dispatched together), which CUDA bounds at 65535.
 SYNC_MAX_TOKENS = 65535
-# sync-*-cluster: a token's programs form one thread block cluster; 8 is the portable bound (16 needs
-# the non-portable attribute, which Triton's own launcher sets only for 16)
+# sync-*-cluster: a token's programs form one thread block cluster; 8 is the portable bound (more needs the
+# non-portable attribute on the kernel, which XLA does not set on the module it loads for a command buffer's node:
+# CUDA_ERROR_INVALID_CLUSTER_SIZE there)
 CLUSTER_MAX = 8
 # Where the launchers use the cluster configurations (thread block clusters, st.async and mbarrier
 # transactions are sm_90 PTX): the compute capabilities they are measured on; other GPUs keep the arrival counters
@@ -67,7 +68,8 @@ CLUSTER_CAPABILITIES = frozenset({90})
 NUM_STAGES = 1  # no software-pipelined loops in these kernels
 # No FMA contraction anywhere: the prefix path is adds only, and with contraction off the PTX
 # carries .rn on every f32 mul/add, so the CUDA driver's JIT (JAX) and ptxas (PyTorch) emit the
-# same arithmetic and the two launches give the same output bits too.
+# same arithmetic and the two launches give the same output bits too. The FMAs the sync kernel
+# writes itself (fma.rn.f32, kernel.py "Arithmetic") are rounded once in either.
 ENABLE_FP_FUSION = False
 PDL_MIN_CAPABILITY = 90  # griddepcontrol (programmatic dependent launch) is sm_90 PTX
 # sync, up to this many tokens: every row a program reads asked of L2 at entry, before the PDL wait (kernel.py
@@ -126,13 +128,13 @@ WIDE_ROW = Variant("tile", 0, 512, 8)  # ROW's place where H > ROW_MAX_H: two pa
 # Where the launch can use thread block clusters (CLUSTER_CAPABILITIES): the first of these whose bound on T holds
 # and that fits H (at most CLUSTER_MAX programs a token: 7 and 4 at H = 7168), else the rule above. The cluster's
 # exchange (kernel.py) replaces the arrival counters and the records in global memory, at the same bits. Measured on
-# the H200 (docs/perf.md, "The Triton kernel"; pipelined): four warps 4.29 / 4.71 / 6.09 / 7.36 us at T = 1 / 8 / 16
-# / 32, two warps 6.45 / 6.51 / 7.47 / 8.14 there; at T = 64 two warps 9.95 (twice the programs per SM) against 10.56
-# for four; from T = 512 on the blocks read again after the first barrier and 64 registers (as BY_TOKENS's last
-# entry, 8 programs per SM): 58.8 / 393 us at T = 512 / 4096.
+# the H200 (docs/perf.md, "The Triton kernel"; pipelined, one process): four warps 3.25 / 3.85 / 9.87 us at T = 1 / 8 /
+# 64; two warps, the earlier choice from 33 to 64 tokens, 10.05 at T = 64 (a thread's 16 columns make its FMA chains
+# spill into a layout change through shared memory, 255 registers); eight warps 3.65 / 4.24 / 17.0; from T = 512 on
+# the blocks read again after the first barrier and 64 registers (as BY_TOKENS's last entry, 8 programs per SM): 58.8
+# / 393 us at T = 512 / 4096.
 CLUSTERED = (
-    (32, Variant("sync", 1024, 0, 4, cluster=True)),
-    (64, Variant("sync", 1024, 0, 2, cluster=True)),
+    (64, Variant("sync", 1024, 0, 4, cluster=True)),
     (64, Variant("sync", 2048, 0, 8, cluster=True)),
     (math.inf, Variant("sync", 1024, 0, 4, reload=True, max_registers=64, cluster=True)),
 )
@@ -286,6 +288,11 @@ def exchange_bytes(chunks: int, rows: int) -> int:
     return (chunks * record_lanes(rows) * 4 + 7) // 8 * 8 + 16
 
 
+def lanes(variant: Variant) -> int:
+    """The columns a sync program's thread holds (the kernel's LANES: its dot products' FMA chains)."""
+    return variant.block // (32 * variant.num_warps)
+
+
 def loads_first(variant: Variant, R: int, T: int, NB: int) -> bool:
     """Whether a sync program loads every row it reads before any arithmetic (kernel.py
     _rows_first): few tokens (LOADS_FIRST_MAX_T), the rows fitting in LOADS_FIRST_REGISTERS
@@ -339,7 +346,7 @@ def make(
     span = dict(BLOCK=chosen.block, ROWS=rows, CHUNKS=chunks, SPAN=_pow2(chunks))
     span |= dict(RECORD=record_lanes(rows), EXCHANGE=exchange_bytes(chunks, rows) if chosen.cluster else 0)
     whole = dict(shared, **span, POLLS=SYNC_POLLS, PHASE=0, RELOAD=chosen.reload, PDL=bool(pdl), CLUSTER=chosen.cluster)
-    whole |= dict(PREFETCH=T <= PREFETCH_MAX_T, LOADS_FIRST=loads_first(chosen, R, T, NB))
+    whole |= dict(PREFETCH=T <= PREFETCH_MAX_T, LOADS_FIRST=loads_first(chosen, R, T, NB), LANES=lanes(chosen))
     kernel = dataclasses.replace(
         launch("sync_kernel", (chunks, T), whole, bool(pdl)), cluster=chunks if chosen.cluster else 0
     )
