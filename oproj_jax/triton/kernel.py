@@ -72,6 +72,7 @@ def _split2(x):
 
 @triton.jit
 def _fma2(a, b, acc):
+    """acc + a0 * b0 + a1 * b1 over the last axis of [..., 2] tiles, two FMAs: [...]."""
     a0, a1 = tl.split(a)
     b0, b1 = tl.split(b)
     return tl.fma(a1, b1, tl.fma(a0, b0, acc))
