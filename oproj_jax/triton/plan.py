@@ -297,8 +297,7 @@ def loads_first(variant: Variant, R: int, T: int, NB: int) -> bool:
     """Whether a sync program loads every row it reads before any arithmetic (kernel.py
     _rows_first): few tokens (LOADS_FIRST_MAX_T), the rows fitting in LOADS_FIRST_REGISTERS
     registers a thread (R + NB + 4 rows of block / (32 * num_warps) bf16 each), the blocks held."""
-    per_thread = variant.block // (32 * variant.num_warps)
-    fits = (R + NB + 4) * per_thread // 2 <= LOADS_FIRST_REGISTERS
+    fits = (R + NB + 4) * lanes(variant) // 2 <= LOADS_FIRST_REGISTERS
     return variant.kind == "sync" and not variant.reload and T <= LOADS_FIRST_MAX_T and fits
 
 
