@@ -67,8 +67,6 @@ triton_tests=(
   "tests/test_triton_gpu.py::test_torch_launch_replays_in_a_cuda_graph[sync-1024-w4-cluster]"
   "tests/test_triton_gpu.py::test_own_partial_gives_the_bits_of_its_slot[1-None]"
   "tests/test_triton_gpu.py::test_own_partial_gives_the_bits_of_its_slot[64-None]"
-  "tests/test_triton_gpu.py::test_cluster_configuration_gives_the_bits_of_its_counterpart[1-sync-1024-w4-gram-cluster]"
-  "tests/test_triton_gpu.py::test_jax_and_torch_launches_agree_with_each_other_and_the_oracle[R16-T8-NB8-G4-sync-1024-w4-gram-cluster]"
 )
 # cute consumer and publish kernels: "..._oproj_jaxcutekernelOprojConsumer_..." and
 # "..._oproj_jaxcutepublishPublish_..."; the Pallas kernel: pallas/consumer.py KERNEL_NAME

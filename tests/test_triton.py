@@ -54,7 +54,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 ARGS = ("mailbox", "prefix", "blocks", "norm", "query", "out_norm")
 EPS = dict(eps=0.5, out_eps=0.25)  # large against the sources' mean squares: a swapped epsilon shows
 # every kernel path: row, tile, sync holding its blocks (the default at T <= 8), sync reading them again
-KINDS = ("row-w16", "tile-512-w8", None, "sync-256-w1", "sync-1024-w4-reload-r64", "sync-1024-w4-gram")
+KINDS = ("row-w16", "tile-512-w8", None, "sync-256-w1", "sync-1024-w4-reload-r64")
 
 
 # ---- interpreter ------------------------------------------------------------------------------
@@ -119,16 +119,7 @@ def _cases() -> list[Case]:
     # chunks (the last one partial), 7 chunks reading the blocks again
     cases += [
         Case(Config(16, 2, 8, H=7168), v)
-        for v in (
-            None,
-            "row-w16",
-            "tile-512-w8",
-            "sync-2048-w8",
-            "sync-1024-w4-reload-r64",
-            "sync-2048-w8-cluster",
-            "sync-1024-w4-gram-cluster",
-            "sync-2048-w8-gram",
-        )
+        for v in (None, "row-w16", "tile-512-w8", "sync-2048-w8", "sync-1024-w4-reload-r64", "sync-2048-w8-cluster")
     ]
     # the caller's own partial read in place of its slot: first of a group, inside one, the last rank
     cases += [Case(Config(16, 3, 8, H=512), v, own=own) for v in KINDS for own in (0, 9)]
@@ -314,9 +305,6 @@ def test_kernels_compile_for_sm90_without_contraction(name, tmp_path, monkeypatc
     fmas = len(re.findall(r"\bfma\.rn\.f32\b", ptx))
     if not written:
         assert fmas == 0, f"{launch.kernel}: {fmas} FMAs"
-    elif constexprs["GRAM"]:
-        # no dot products on the CUDA cores (the tensor cores take them): the mix, a chain over the blocks a column
-        assert fmas >= constexprs["LANES"] * constexprs["NB"] and "mma.sync" in ptx, f"{fmas} FMAs"
     elif not constexprs["RELOAD"]:
         # the blocks' dots and squares and p's two: chains of LANES products, the first a multiply
         chains = 2 * constexprs["NB"] + 2
@@ -414,30 +402,6 @@ def test_cluster_configuration_sends_its_records_to_the_peers_barriers(tmp_path,
                 ),
             ).constexprs
         ), "the stages of the counterpart"
-
-
-@pytest.mark.parametrize("variant", [v.name for v in plan.GRAM_VARIANTS if v.block == 1024])
-def test_gram_configuration_meets_once(tmp_path, monkeypatch, variant):
-    """The Gram form: each program's record is the upper part of its chunk's Gram matrix (64 lanes,
-    63 sent: 6 peers x 63 lanes, three passes of 128 threads) from bf16 mma on the tensor cores;
-    one meeting (one transaction barrier waited on), the token's totals in the slot before the
-    records (read back four lanes at a time), and no y.y of its own; its interpreter stages are
-    two (PHASE 1, 2), without the cluster counterpart's counters."""
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    gram = plan.make(16, 3, 8, 7168, **PRODUCTION, variant=variant, clusters=True)
-    constexprs = dict(gram.launch.constexprs)
-    assert constexprs["GRAM"] is True and constexprs["RECORD"] == plan.GRAM_RECORD == 64 and constexprs["ROWS"] == 8
-    assert gram.launch.exchange == (7 + 1) * 64 * 4 + 16 and gram.stats_shape == (3, 7, 64)
-    ptx = _compile_sm90(gram.launch).asm["ptx"]
-    assert ptx.count("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32") == 3
-    assert ptx.count("mbarrier.try_wait.parity.shared::cta.b64") == 2, "one wait and its loop"
-    assert re.search(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx)
-    assert "ld.shared.v4.f32" in ptx
-    assert [dict(stage.constexprs)["PHASE"] for stage in gram.stages()] == [1, 2]
-    two = plan.make(
-        16, 3, 8, 7168, **PRODUCTION, variant=variant.replace("-gram2", "").replace("-gram", ""), clusters=True
-    )
-    assert ptx.count("mbarrier.try_wait") < _compile_sm90(two.launch).asm["ptx"].count("mbarrier.try_wait")
 
 
 def test_prefetch_only_at_few_tokens(tmp_path, monkeypatch):
@@ -803,11 +767,9 @@ def test_default_rule_by_tokens():
         for H in (256, 7168, 16384, 16896, 32768):
             plan.make(16, T, 8, H, **PRODUCTION, variant=plan.default_variant(T, H))
     assert all(plan.VARIANTS[name].name == name for name in plan.VARIANTS)
-    # every configuration is one the rule takes at some shape, a cluster configuration's counterpart, or one of the
-    # Gram form's (opt-in by name until timed against the rule's on a GPU) and their counterparts
+    # every configuration is one the rule takes at some shape, or a cluster configuration's counterpart
     shapes = [(T, H) for T in (1, 64, 512, 65536) for H in (7168, 16384, 16896, 32769, 65537)]
     taken = {plan.default_variant(T, H, clusters) for T, H in shapes for clusters in (False, True)}
-    taken |= {v.name for v in plan.GRAM_VARIANTS}
     counterparts = {name.replace("-cluster", "") for name in taken if "-cluster" in name}
     assert taken | counterparts == set(plan.VARIANTS)
     # a sync program's thread holds 4 or 8 columns, the lengths of the kernel's FMA chains (its LANES)

@@ -153,7 +153,7 @@ def test_jax_triton_launch_gives_the_bits_of_the_library_launch(triton_gpu, conf
         testing.assert_same_bits(np.asarray(a), np.asarray(b), f"{config.name} {name}: library vs jax_triton")
 
 
-@pytest.mark.parametrize("variant", [v.name for _, v in plan.CLUSTERED] + [v.name for v in plan.GRAM_VARIANTS])
+@pytest.mark.parametrize("variant", [v.name for _, v in plan.CLUSTERED])
 @pytest.mark.parametrize("T", [1, 64])
 def test_cluster_configuration_gives_the_bits_of_its_counterpart(triton_gpu, variant, T):
     """A sync configuration launched in thread block clusters (its programs meet at the cluster's

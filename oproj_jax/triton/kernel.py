@@ -18,9 +18,6 @@ constexpr. Offsets are int64 (R * T * H overflows int32 at large T).
                      CLUSTER, launched in thread block clusters of its C programs, they send
                      their records into each other's shared memory and each waits for the
                      bytes it expects instead (no counters, no records in global memory).
-                     With GRAM, one barrier: each chunk's Gram matrix of its sources (blocks,
-                     p, and w in two bf16 halves) on the tensor cores carries every sum the
-                     weights and y.y need.
 
 Which kernel runs, and its launch parameters: plan.py.
 
@@ -509,19 +506,12 @@ _ARRIVED = _at_end(
     ".reg .u32 xa; .reg .pred xp;",
     "add.u32 xa, xe, $1; mbarrier.try_wait.parity.shared::cta.b64 xp, [xa], 0; selp.u32 $0, 1, 0, xp;",
 )
-_GET4 = _at_end(".reg .u32 xa;", "add.u32 xa, xe, $4; ld.shared.v4.f32 {$0, $1, $2, $3}, [xa];")
 
 
 @triton.jit
 def _exchange_get(offset, ok):
     """The f32 at byte `offset` from the end of this program's exchange, 0.0 where `ok` is zero."""
     return tl.inline_asm_elementwise(_GET, "=f,r,r", [offset, ok], dtype=tl.float32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _exchange_get4(offset):
-    """The four f32 at byte `offset` (16-byte aligned) from the end of this program's exchange."""
-    return tl.inline_asm_elementwise(_GET4, "=f,=f,=f,=f,r", [offset], dtype=(tl.float32,) * 4, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -695,148 +685,11 @@ def _sync_weights(
     return e / den, e_p / den
 
 
-# ---- the Gram form of the sync kernel: one meeting ----------------------------------------------
-#
-# A program's sources S = [b_0 .. b_7, p, w_hi, w_lo, 0 ...] (16 rows of bf16 over its columns: the
-# blocks, zero past NB; the new prefix p; w = norm * query split exactly into w_hi = bf16(w) and
-# w_lo = w - w_hi, w having at most 16 significant bits) give every row sum the weights and the
-# output scale need as one product on the tensor cores, G = S S^T (exact products, f32 sums): the
-# blocks' squares and dots with w (G[i][9] + G[i][10]), p's, and the cross terms, from which y.y =
-# alpha^T G alpha. A token's programs add the upper part of their G (GRAM_LANES lanes: G[i][j],
-# i <= j <= 10, i <= 8; row i's lanes from 11 i - i (i - 1) / 2) in one meeting instead of two.
-# After it every thread holds the token's sums as scalars and computes the weights itself: no
-# reduction across threads between the meeting and the output.
-
-GRAM_P = tl.constexpr(8)  # p's row of S (the blocks' tile has 8 rows under GRAM)
-GRAM_LANES = tl.constexpr(63)  # 11 + 10 + ... + 3
-
-
-@triton.jit
-def _sources(b, p, w_hi, w_lo, BLOCK: tl.constexpr):
-    """S = [b_0 .. b_7, p, w_hi, w_lo, 0 ...] as a [16, BLOCK] tile from the blocks' [8, BLOCK] tile
-    and three [BLOCK] rows of its dtype (no data moves: a thread's columns stay its own)."""
-    r = tl.arange(0, 8)[:, None]
-    zero = tl.zeros(b.shape, b.dtype)
-    extra = tl.where(r == 0, p[None, :], tl.where(r == 1, w_hi[None, :], tl.where(r == 2, w_lo[None, :], zero)))
-    return tl.reshape(tl.permute(tl.join(b, extra), (2, 0, 1)), (16, BLOCK))  # join: S's rows r and 8 + r
-
-
-@triton.jit
-def _chunk_gram(
-    b_bits, b, p_bits, w, BLOCK: tl.constexpr, BATCHES: tl.constexpr, PARTS: tl.constexpr, CVT: tl.constexpr
-):
-    """This chunk's G = S S^T as a [16, 16] f32 tile, from the blocks' [8, BLOCK] tile (bf16 `b_bits`,
-    f32 `b`), the new prefix's bits and w (f32): the columns in BATCHES batches, one dot each (a
-    short chain of mma steps, the batches spread over the warps), then added. CVT (compiled code):
-    bf16 operands; Triton's interpreter, whose dot misreads bf16, takes the same values in f32."""
-    w_hi = _round_to(w, CVT)
-    w_lo = _round_to(w - _as_f32(w_hi), CVT)  # exact: w has at most 16 significant bits
-    if CVT:
-        s = _sources(b_bits.to(tl.uint16, bitcast=True), p_bits, w_hi, w_lo, BLOCK).to(tl.bfloat16, bitcast=True)
-    else:
-        s = _sources(b, _as_f32(p_bits), _as_f32(w_hi), _as_f32(w_lo), BLOCK)
-    if PARTS == 1:
-        return _gram_part(s, BLOCK, BATCHES)
-    s0, s1 = _split2(s)
-    return _gram_part(s0, BLOCK // 2, BATCHES // 2) + _gram_part(s1, BLOCK // 2, BATCHES // 2)
-
-
-@triton.jit
-def _gram_part(s, BLOCK: tl.constexpr, BATCHES: tl.constexpr):
-    """S S^T ([16, 16] f32) of a [16, BLOCK] tile in BATCHES batches of columns, one dot each."""
-    s3 = tl.permute(tl.reshape(s, (16, BATCHES, BLOCK // BATCHES)), (1, 0, 2))
-    return tl.sum(tl.dot(s3, tl.permute(s3, (0, 2, 1)), input_precision="ieee"), axis=0)
-
-
-@triton.jit
-def _gram_lanes():
-    """([16, 16] record lanes of G[i][j], [16, 16] mask of the lanes a record carries: i <= j <= 10, i <= 8)."""
-    i = tl.arange(0, 16)[:, None]
-    k = tl.arange(0, 16)[None, :]
-    return i * 11 - (i * (i - 1)) // 2 + (k - i), (i <= k) & (i <= GRAM_P) & (k <= GRAM_P + 2)
-
-
-@triton.jit
-def _gram_totals(stats, t, CLUSTER: tl.constexpr, CHUNKS: tl.constexpr, RECORD: tl.constexpr):
-    """Token t's G: a tuple of RECORD f32 scalars (the lanes; every thread holds each), each the sum
-    of the C records' lane in chunk order. CLUSTER: from this program's exchange, added lane by lane
-    across the threads, staged in the slot before the records and read back by every thread;
-    otherwise from the records in global memory (L2)."""
-    lanes = tl.arange(0, RECORD)
-    values = ()
-    if CLUSTER:
-        for k in tl.static_range(CHUNKS):
-            part = _exchange_get(((k - CHUNKS) * RECORD + lanes) * 4, (lanes < GRAM_LANES).to(tl.int32))
-            if k == 0:
-                total = part
-            else:
-                total = total + part
-        _stage(total, ((-1 - CHUNKS) * RECORD + lanes) * 4, (lanes >= 0).to(tl.int32))
-        tl.debug_barrier()  # every lane staged
-        for q in tl.static_range(RECORD // 4):
-            values = values + _exchange_get4(((-1 - CHUNKS) * RECORD + 4 * q) * 4)
-    else:
-        for lane in tl.static_range(RECORD):
-            for k in tl.static_range(CHUNKS):
-                part = tl.load(stats + (t * CHUNKS + k) * RECORD + lane, cache_modifier=".cg")
-                if k == 0:
-                    total = part
-                else:
-                    total = total + part
-            values = values + (total,)
-    return values
-
-
-@triton.jit
-def _gram_mix(g, NB: tl.constexpr, H: tl.constexpr, EPS: tl.constexpr, OUT_EPS: tl.constexpr):
-    """From a token's G (_gram_totals): the blocks' softmax weights (a tuple of NB scalars), p's and
-    the output scale rstd(y.y), y.y = alpha^T G alpha over the NB + 1 sources. G[i][k] is lane
-    11 i - i (i - 1) / 2 + k - i."""
-    PP: tl.constexpr = 11 * GRAM_P - GRAM_P * (GRAM_P - 1) // 2  # G[p][p]; p.w_hi and p.w_lo follow
-    if NB == 0:
-        return (), 1.0, _out_scale(g[PP], H, OUT_EPS)  # one source: its weight is exactly 1 (docs/spec.md)
-    logit = (g[PP + 1] + g[PP + 2]) * tl.rsqrt(g[PP] / H + EPS)
-    top = logit
-    logits = ()
-    for i in tl.static_range(NB):
-        diagonal = g[11 * i - i * (i - 1) // 2]
-        x = (g[11 * i - i * (i - 1) // 2 + GRAM_P + 1 - i] + g[11 * i - i * (i - 1) // 2 + GRAM_P + 2 - i]) * tl.rsqrt(
-            diagonal / H + EPS
-        )
-        logits = logits + (x,)
-        top = tl.maximum(top, x)
-    e_p = tl.exp(logit - top)  # a NaN logit reaches the denominator: every weight is NaN
-    den = e_p
-    es = ()
-    for i in tl.static_range(NB):
-        e = tl.exp(logits[i] - top)
-        es = es + (e,)
-        den = den + e
-    alpha_p = e_p / den
-    alphas = ()
-    for i in tl.static_range(NB):
-        alphas = alphas + (es[i] / den,)
-    # alpha^T G alpha: each source's diagonal term, the pairs above it twice
-    quad = alpha_p * (alpha_p * g[PP])
-    for i in tl.static_range(NB):
-        cross = alpha_p * g[11 * i - i * (i - 1) // 2 + GRAM_P - i]
-        for k in tl.static_range(i + 1, NB):
-            cross = tl.fma(alphas[k], g[11 * i - i * (i - 1) // 2 + k - i], cross)
-        quad = tl.fma(alphas[i], tl.fma(alphas[i], g[11 * i - i * (i - 1) // 2], 2.0 * cross), quad)
-    return alphas, alpha_p, _out_scale(quad, H, OUT_EPS)
-
-
-@triton.jit
-def _block_bits(blocks, t, j, offs, mask, NB: tl.constexpr, H: tl.constexpr):
-    """Token t's blocks over columns `offs` as a [ROWS, BLOCK] bf16 tile (rows j >= NB zero)."""
-    rows = blocks + (t * NB + j[:, None]) * H + offs[None, :]
-    return tl.load(rows, mask=(j[:, None] < NB) & mask[None, :], other=0.0)
-
-
 @triton.jit
 def _block_tile(blocks, t, j, offs, mask, NB: tl.constexpr, H: tl.constexpr):
-    """_block_bits in f32."""
-    return _widen(_block_bits(blocks, t, j, offs, mask, NB, H))
+    """Token t's blocks over columns `offs` as a [ROWS, BLOCK] f32 tile (rows j >= NB zero)."""
+    rows = blocks + (t * NB + j[:, None]) * H + offs[None, :]
+    return _widen(tl.load(rows, mask=(j[:, None] < NB) & mask[None, :], other=0.0))
 
 
 @triton.jit
@@ -922,9 +775,6 @@ def sync_kernel(
     LOADS_FIRST: tl.constexpr,
     OWN: tl.constexpr,
     LANES: tl.constexpr,
-    GRAM: tl.constexpr,
-    BATCHES: tl.constexpr,
-    PARTS: tl.constexpr,
 ):
     """Grid (C, T): chunk c of token t, its blocks as a [ROWS, BLOCK] tile and its new prefix p
     held in registers throughout (RELOAD: the blocks read again after barrier 1 instead).
@@ -946,14 +796,7 @@ def sync_kernel(
     every row read before any arithmetic (_rows_first; plan.loads_first). OWN >= 0:
     rank OWN's partial read from `own` [T, H] in place of its slot (the row and tile kernels alike);
     OWN = -1 with `own` the constexpr None. LANES: the columns a thread holds (plan.lanes; 4 or 8),
-    along which its dots and squares are FMA chains (not RELOAD: under its register cap they spill).
-
-    GRAM (not RELOAD; ROWS = 8): one barrier. A record is the upper part of the chunk's Gram matrix
-    of its sources (RECORD = plan.GRAM_RECORD lanes, "The Gram form" above), from the tensor cores
-    in BATCHES batches of columns; after the barrier each program has every weight and y.y (=
-    alpha^T G alpha) from the token's sums, with no second barrier and no y.y of its own. Its
-    interpreter stages are PHASE 1 and 2 (the output in 2); the cluster's exchange keeps the
-    token's totals in a slot before the records (plan.exchange_bytes)."""
+    along which its dots and squares are FMA chains (not RELOAD: under its register cap they spill)."""
     if PHASE == 0 and PREFETCH:
         # Few programs in all, each waiting on its loads: every row it reads is asked of L2
         # first, before the PDL wait, so the lines come while the kernel ahead finishes (L2 holds
@@ -981,11 +824,8 @@ def sync_kernel(
     YY: tl.constexpr = RECORD - 1  # y.y's lane, the record's last: the first meeting sends the YY before it
     c = tl.program_id(0)
     if CLUSTER:
-        # the meetings' bytes from the C - 1 peers: YY lanes, then y.y (GRAM: GRAM_LANES lanes, one meeting)
-        if GRAM:
-            _exchange_init(BARS + 0 * c, (CHUNKS - 1) * GRAM_LANES * 4 + 0 * c, 0 * c)
-        else:
-            _exchange_init(BARS + 0 * c, (CHUNKS - 1) * YY * 4 + 0 * c, (CHUNKS - 1) * 4 + 0 * c)
+        # the two meetings' bytes from the C - 1 peers: YY lanes, then y.y
+        _exchange_init(BARS + 0 * c, (CHUNKS - 1) * YY * 4 + 0 * c, (CHUNKS - 1) * 4 + 0 * c)
         _cluster_arrive()
     t = tl.program_id(1).to(tl.int64)
     T = tl.num_programs(1).to(tl.int64)
@@ -1003,8 +843,7 @@ def sync_kernel(
         if PHASE == 0 and not RELOAD:
             # read now, not after barrier 2: no load waits at the end (RELOAD keeps its registers)
             on_early = tl.load(out_norm + offs, mask=mask, other=0.0)
-        b_bits = _block_bits(blocks, t, j, offs, mask, NB, H)
-        b = _widen(b_bits)
+        b = _block_tile(blocks, t, j, offs, mask, NB, H)
     if PHASE <= 1:
         # every load before the prefix store: the compiler cannot move a load across a store
         # (prefix_out may alias an input), and a load after it would wait on its own
@@ -1017,13 +856,7 @@ def sync_kernel(
         tl.store(prefix_out + t * H + offs, _as_bf16(p_bits), mask=mask)
         p = _as_f32(p_bits)
         first = (j == 0)[:, None]
-        if GRAM:
-            gram = _chunk_gram(b_bits, b, p_bits, w, BLOCK, BATCHES, PARTS, PHASE == 0)
-            if CLUSTER:
-                _cluster_wait()  # the peers run: their shared memory may be written
-            lanes, carried = _gram_lanes()
-            _put_record(record, c, lanes, gram, carried, CLUSTER, CHUNKS, RECORD)
-        elif RELOAD:
+        if RELOAD:
             # one reduction: p's products ride in row 0 of two more [ROWS, BLOCK] tiles (the FMA
             # chains below spill under RELOAD's register cap)
             dots, squares, p_dot, p_square = tl.reduce(
@@ -1047,42 +880,26 @@ def sync_kernel(
                 1,
                 _add4,
             )  # fmt: skip
-        if not GRAM:
-            # the record as one [ROWS, 2, 2] tile (j, u, v): v = 0 the blocks' dots (u = 0) and squares
-            # (u = 1) in lanes u * ROWS + j; v = 1 p.w and p.p in lanes 2 * ROWS + u, from row 0
-            u = tl.arange(0, 2)[None, :, None]
-            v = tl.arange(0, 2)[None, None, :]
-            jj = j[:, None, None]
-            if CLUSTER:
-                _cluster_wait()  # the peers run: their shared memory may be written
-            _put_record(
-                record, c, tl.where(v == 0, u * ROWS + jj, 2 * ROWS + u),
-                tl.join(tl.join(dots, squares), tl.join(p_dot, p_square)), tl.where(v == 0, jj < NB, jj == 0),
-                CLUSTER, CHUNKS, RECORD,
-            )  # fmt: skip
+        # the record as one [ROWS, 2, 2] tile (j, u, v): v = 0 the blocks' dots (u = 0) and squares
+        # (u = 1) in lanes u * ROWS + j; v = 1 p.w and p.p in lanes 2 * ROWS + u, from row 0
+        u = tl.arange(0, 2)[None, :, None]
+        v = tl.arange(0, 2)[None, None, :]
+        jj = j[:, None, None]
+        if CLUSTER:
+            _cluster_wait()  # the peers run: their shared memory may be written
+        _put_record(
+            record, c, tl.where(v == 0, u * ROWS + jj, 2 * ROWS + u),
+            tl.join(tl.join(dots, squares), tl.join(p_dot, p_square)), tl.where(v == 0, jj < NB, jj == 0),
+            CLUSTER, CHUNKS, RECORD,
+        )  # fmt: skip
     else:
         p = _widen(tl.load(prefix_out + t * H + offs, mask=mask, other=0.0))
     if PHASE == 0:
         if CLUSTER:
-            _exchange(c, BARS, 0, GRAM_LANES if GRAM else YY, CHUNKS, RECORD)
+            _exchange(c, BARS, 0, YY, CHUNKS, RECORD)
         else:
             _arrive_and_wait(arrivals + 2 * t, CHUNKS, POLLS)
-    if GRAM:
-        if PHASE != 1:
-            alphas, alpha_p, scale = _gram_mix(_gram_totals(stats, t, CLUSTER, CHUNKS, RECORD), NB, H, EPS, OUT_EPS)
-            if NB == 0:
-                y = p
-            else:
-                alpha = tl.zeros([ROWS], tl.float32)
-                for i in tl.static_range(NB):
-                    alpha = tl.where(j == i, alphas[i], alpha)
-                y = _fma_lanes(tl.permute(b, (1, 0)), alpha, alpha_p * p, ROWS)
-            if PHASE == 0:
-                on = _widen(on_early)
-            else:
-                on = _widen(tl.load(out_norm + offs, mask=mask, other=0.0))
-            _store_output(output, xmoe, t, T, offs, mask, (y * scale) * on, REPS, H, PHASE == 0)
-    elif PHASE != 1:
+    if PHASE != 1:
         if NB == 0:
             y = p  # one source: its weight is exactly 1 (docs/spec.md)
         else:
@@ -1097,16 +914,16 @@ def sync_kernel(
             else:
                 # a thread holds every block of its columns: one chain of FMAs over them
                 y = _fma_lanes(tl.permute(b, (1, 0)), alpha, alpha_p * p, ROWS)
-    if not GRAM and (PHASE == 0 or PHASE == 2):
+    if PHASE == 0 or PHASE == 2:
         lane = tl.full([1, 1, 1], YY, tl.int32)
         yy = tl.full([1, 1, 1], 0.0, tl.float32) + tl.sum(y * y, axis=0)  # y.y >= 0: adding +0.0 keeps its bits
         _put_record(record, c, lane, yy, lane >= 0, CLUSTER, CHUNKS, RECORD)
-    if PHASE == 0 and not GRAM:
+    if PHASE == 0:
         if CLUSTER:
             _exchange(c, BARS + 8, YY, 1, CHUNKS, RECORD)
         else:
             _arrive_and_wait(arrivals + 2 * t + 1, CHUNKS, POLLS)
-    if not GRAM and (PHASE == 0 or PHASE == 3):
+    if PHASE == 0 or PHASE == 3:
         lane = YY + tl.arange(0, 1)
         yy = tl.sum(_token_sum(stats, t, lane, CLUSTER, CHUNKS, SPAN, RECORD), axis=0)
         if PHASE == 0 and not RELOAD:

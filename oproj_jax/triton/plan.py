@@ -19,11 +19,6 @@ Configurations (kernel.py has the kernels), named kind-columns-warps:
                   other's shared memory, each waiting for the bytes it expects: no arrival
                   counters, nothing in global memory, the same bits as its counterpart without
                   clusters; the default there (CLUSTERED).
-  sync-*-gram     the same, meeting once: each program's record is the upper part of its chunk's
-                  Gram matrix of the sources (the blocks, p, and w = norm * query in two bf16
-                  halves; GRAM_RECORD lanes), one product on the tensor cores, from which every
-                  program gets the weights and y.y = alpha^T G alpha itself (kernel.py, "The Gram
-                  form"). Not with -reload.
   sync-*-reload   the same, but the blocks are read again after the first barrier (from L1 or
                   L2, where the first read left them) instead of held in registers across it:
                   fewer registers a thread, more programs per SM.
@@ -100,15 +95,11 @@ class Variant:
     reload: bool = False  # sync: the blocks read again after the first barrier, not held in registers
     max_registers: int | None = None  # a thread's register cap (ptxas .maxnreg): more programs per SM
     cluster: bool = False  # sync: a token's programs in one thread block cluster, its barrier theirs
-    gram: int = (
-        0  # sync: one meeting, each program's sums from its sources' Gram matrix (tensor cores), in 1 or 2 products
-    )
 
     @property
     def name(self) -> str:
         parts = [self.kind, *(str(n) for n in (self.block or self.sub,) if n), f"w{self.num_warps}"]
         parts += ["reload"] if self.reload else []
-        parts += [f"gram{self.gram if self.gram > 1 else ''}"] if self.gram else []
         parts += ["cluster"] if self.cluster else []
         return "-".join(parts + ([f"r{self.max_registers}"] if self.max_registers else []))
 
@@ -147,10 +138,6 @@ CLUSTERED = (
     (64, Variant("sync", 2048, 0, 8, cluster=True)),
     (math.inf, Variant("sync", 1024, 0, 4, reload=True, max_registers=64, cluster=True)),
 )
-# The Gram form of CLUSTERED's first two (one meeting; kernel.py, "The Gram form"), its product in one piece (gram, 64
-# KiB of shared memory a program at 1024 columns) or in two halves of the columns (gram2, 32 KiB): named by the
-# `variant` parameter only, not taken by the rule until they are timed against it on a GPU (docs/perf.md, "Open").
-GRAM_VARIANTS = tuple(dataclasses.replace(v, gram=g) for _, v in CLUSTERED[:2] for g in (1, 2))
 # Every configuration the rule takes, by name, and each cluster configuration's counterpart without clusters (the
 # tests hold the two to the same bits). The launchers' `variant` parameter names one in place of the rule's choice:
 # the tests need it to run the row and tile kernels and the other sync configurations.
@@ -159,7 +146,6 @@ VARIANTS = {
     for v in (
         *(v for _, v in BY_TOKENS), *WIDER_SYNC, ROW, WIDE_ROW,
         *(v for _, v in CLUSTERED), *(dataclasses.replace(v, cluster=False) for _, v in CLUSTERED),
-        *GRAM_VARIANTS, *(dataclasses.replace(v, cluster=False) for v in GRAM_VARIANTS),
     )
 }  # fmt: skip
 
@@ -286,24 +272,20 @@ class Plan:
             dataclasses.replace(
                 self.launch, constexprs=tuple(sorted({**constexprs, "PHASE": phase}.items())), pdl=False, cluster=0
             )
-            for phase in ((1, 2) if constexprs["GRAM"] else (1, 2, 3))
+            for phase in (1, 2, 3)
         )
 
 
-GRAM_RECORD = 64  # gram: the record's f32 lanes, kernel.GRAM_LANES (63) to a 16-byte multiple
-GRAM_BATCH = 64  # gram: columns a batch of the Gram product (4 mma steps a chain)
-
-
-def record_lanes(rows: int, gram: bool = False) -> int:
+def record_lanes(rows: int) -> int:
     """The f32 lanes of a sync program's record (kernel.sync_kernel): the blocks' dots and
-    squares (rows each), p.w, p.p and y.y; gram: the upper part of its Gram matrix (GRAM_RECORD)."""
-    return GRAM_RECORD if gram else 2 * rows + 3
+    squares (rows each), p.w, p.p and y.y."""
+    return 2 * rows + 3
 
 
-def exchange_bytes(chunks: int, rows: int, gram: bool = False) -> int:
-    """The cluster's exchange (kernel.py): two 8-byte transaction barriers, then (gram) the token's
-    totals, then the C records, from an 8-byte boundary (the kernel addresses them from the end)."""
-    return ((chunks + gram) * record_lanes(rows, gram) * 4 + 7) // 8 * 8 + 16
+def exchange_bytes(chunks: int, rows: int) -> int:
+    """The cluster's exchange (kernel.py): two 8-byte transaction barriers, then the C records,
+    from an 8-byte boundary (the kernel addresses them from the end)."""
+    return (chunks * record_lanes(rows) * 4 + 7) // 8 * 8 + 16
 
 
 def lanes(variant: Variant) -> int:
@@ -359,19 +341,17 @@ def make(
         return Plan(chosen, launch("tile_kernel", (T,), dict(shared, SUB=chosen.sub, SOURCES=SOURCES)))
     chunks = -(-H // chosen.block)
     # the blocks' tile, >= 2 rows (the weights read p.w and p.p as lanes 0 and 1 of a [C, rows] tile)
-    # (gram: 8 rows, S's first eight)
-    rows = 8 if chosen.gram else max(2, _pow2(NB))
-    record = record_lanes(rows, bool(chosen.gram))
-    span = dict(BLOCK=chosen.block, ROWS=rows, CHUNKS=chunks, SPAN=_pow2(chunks), RECORD=record, GRAM=bool(chosen.gram))
-    span |= dict(PARTS=max(1, chosen.gram))
-    span |= dict(EXCHANGE=exchange_bytes(chunks, rows, bool(chosen.gram)) if chosen.cluster else 0)
-    span |= dict(BATCHES=chosen.block // GRAM_BATCH if chosen.gram else 1)
+    rows = max(2, _pow2(NB))
+    span = dict(BLOCK=chosen.block, ROWS=rows, CHUNKS=chunks, SPAN=_pow2(chunks))
+    span |= dict(RECORD=record_lanes(rows), EXCHANGE=exchange_bytes(chunks, rows) if chosen.cluster else 0)
     whole = dict(shared, **span, POLLS=SYNC_POLLS, PHASE=0, RELOAD=chosen.reload, PDL=bool(pdl), CLUSTER=chosen.cluster)
     whole |= dict(PREFETCH=T <= PREFETCH_MAX_T, LOADS_FIRST=loads_first(chosen, R, T, NB), LANES=lanes(chosen))
     kernel = dataclasses.replace(
         launch("sync_kernel", (chunks, T), whole, bool(pdl)), cluster=chunks if chosen.cluster else 0
     )
-    return Plan(chosen, kernel, stats_shape=(T, chunks, record), arrivals_shape=None if chosen.cluster else (T, 2))
+    return Plan(
+        chosen, kernel, stats_shape=(T, chunks, record_lanes(rows)), arrivals_shape=None if chosen.cluster else (T, 2)
+    )
 
 
 def repair_cache_dir() -> None:
