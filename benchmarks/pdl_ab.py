@@ -138,9 +138,6 @@ def main(argv=None) -> int:
         pool = bench_inputs.DevicePool(case, k2, l2_bytes=timing.l2_bytes(platform))
         arms = jax_arms(args.arms, config, args.variants, args.traced)
         for backend, label, step in arms:
-            if "-ab" in label:
-                records.append(dict(kind="check", backend=backend, label=label, T=T, ok=False, reason="ablation: not the op"))
-                continue
             with traced(label == "traced"):
                 err = check_jax(step, case)
             records.append(dict(kind="check", backend=backend, label=label, T=T, out_rel_l2=err, ok=True))

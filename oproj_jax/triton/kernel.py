@@ -601,24 +601,6 @@ def _prefetch(rows, R: tl.constexpr, T, t, H: tl.constexpr, offs, mask, SKIP: tl
 
 
 @triton.jit
-def _prefetch_lines(rows, R: tl.constexpr, T, t, H: tl.constexpr, start, BLOCK: tl.constexpr, SKIP: tl.constexpr):
-    """Asks L2 for token t's R rows of `rows` ([R, T, H]) over columns start .. start + BLOCK, one
-    address per 128-byte line, rows and lines spread over the threads (row SKIP left out)."""
-    r = tl.arange(0, R)[:, None]
-    line = start + tl.arange(0, BLOCK // 64)[None, :] * 64
-    ok = (line < H) & (r != SKIP)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred xp; setp.ne.s32 xp, $2, 0; @xp prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-        "=r,l,r",
-        [rows + (r * T + t) * H + line, ok.to(tl.int32)],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-
-@triton.jit
 def _arrive_and_wait(counter, CHUNKS: tl.constexpr, POLLS: tl.constexpr):
     """Counts this program in at `counter` and returns once all CHUNKS programs of the token
     have; past POLLS polls, or on a counter that was not zero at launch, the kernel traps (a
@@ -793,7 +775,6 @@ def sync_kernel(
     LOADS_FIRST: tl.constexpr,
     OWN: tl.constexpr,
     LANES: tl.constexpr,
-    ABLATE: tl.constexpr = 0,
 ):
     """Grid (C, T): chunk c of token t, its blocks as a [ROWS, BLOCK] tile and its new prefix p
     held in registers throughout (RELOAD: the blocks read again after barrier 1 instead).
@@ -816,23 +797,7 @@ def sync_kernel(
     rank OWN's partial read from `own` [T, H] in place of its slot (the row and tile kernels alike);
     OWN = -1 with `own` the constexpr None. LANES: the columns a thread holds (plan.lanes; 4 or 8),
     along which its dots and squares are FMA chains (not RELOAD: under its register cap they spill)."""
-    EARLY: tl.constexpr = ABLATE % 16 >= 8
-    AB: tl.constexpr = ABLATE % 8
-    if PDL and EARLY:
-        tl_cuda.gdc_launch_dependents()
-    LINES: tl.constexpr = ABLATE >= 16
-    if PHASE == 0 and (PREFETCH or LINES) and LINES:
-        t = tl.program_id(1).to(tl.int64)
-        start = tl.program_id(0) * BLOCK
-        _prefetch_lines(mailbox, R, tl.num_programs(1).to(tl.int64), t, H, start, BLOCK, OWN)
-        if OWN >= 0:
-            _prefetch_lines(own, 1, 1, t, H, start, BLOCK, -1)
-        _prefetch_lines(blocks, NB, 1, t * NB, H, start, BLOCK, -1)
-        if HAS_DELTA:
-            _prefetch_lines(prefix_in, 1, 1, t, H, start, BLOCK, -1)
-        _prefetch_lines(norm, 1, 1, 0, H, start, BLOCK, -1)
-        _prefetch_lines(query, 1, 1, 0, H, start, BLOCK, -1)
-    if PHASE == 0 and PREFETCH and not LINES:
+    if PHASE == 0 and PREFETCH:
         # Few programs in all, each waiting on its loads: every row it reads is asked of L2
         # first, before the PDL wait, so the lines come while the kernel ahead finishes (L2 holds
         # every store: a line asked for before that kernel's last stores still reads them).
@@ -854,8 +819,7 @@ def sync_kernel(
         # hold in their own wait, and they cannot take an SM from a program of this grid, which
         # are all on the GPU by then.
         tl_cuda.gdc_wait()
-        if not EARLY:
-            tl_cuda.gdc_launch_dependents()
+        tl_cuda.gdc_launch_dependents()
     BARS: tl.constexpr = -EXCHANGE  # the exchange's two transaction barriers, at its start
     YY: tl.constexpr = RECORD - 1  # y.y's lane, the record's last: the first meeting sends the YY before it
     c = tl.program_id(0)
@@ -892,9 +856,7 @@ def sync_kernel(
         tl.store(prefix_out + t * H + offs, _as_bf16(p_bits), mask=mask)
         p = _as_f32(p_bits)
         first = (j == 0)[:, None]
-        if AB == 4:
-            pass
-        elif RELOAD:
+        if RELOAD:
             # one reduction: p's products ride in row 0 of two more [ROWS, BLOCK] tiles (the FMA
             # chains below spill under RELOAD's register cap)
             dots, squares, p_dot, p_square = tl.reduce(
@@ -923,30 +885,25 @@ def sync_kernel(
         u = tl.arange(0, 2)[None, :, None]
         v = tl.arange(0, 2)[None, None, :]
         jj = j[:, None, None]
-        if CLUSTER and AB != 2 and AB != 4:
+        if CLUSTER:
             _cluster_wait()  # the peers run: their shared memory may be written
-        if AB != 4:
-          _put_record(
+        _put_record(
             record, c, tl.where(v == 0, u * ROWS + jj, 2 * ROWS + u),
             tl.join(tl.join(dots, squares), tl.join(p_dot, p_square)), tl.where(v == 0, jj < NB, jj == 0),
             CLUSTER, CHUNKS, RECORD,
         )  # fmt: skip
     else:
         p = _widen(tl.load(prefix_out + t * H + offs, mask=mask, other=0.0))
-    if PHASE == 0 and AB != 2 and AB != 4:
+    if PHASE == 0:
         if CLUSTER:
             _exchange(c, BARS, 0, YY, CHUNKS, RECORD)
         else:
             _arrive_and_wait(arrivals + 2 * t, CHUNKS, POLLS)
     if PHASE != 1:
-        if NB == 0 or AB == 4:
+        if NB == 0:
             y = p  # one source: its weight is exactly 1 (docs/spec.md)
         else:
-            if AB == 3:
-                alpha = tl.full([ROWS], 0.125, tl.float32)
-                alpha_p = 0.5
-            else:
-                alpha, alpha_p = _sync_weights(stats, t, NB, H, EPS, ROWS, CHUNKS, SPAN, RECORD, CLUSTER)
+            alpha, alpha_p = _sync_weights(stats, t, NB, H, EPS, ROWS, CHUNKS, SPAN, RECORD, CLUSTER)
             if RELOAD:
                 # The same bits again, from L1 or L2 where the first read left them: the tile is not
                 # held across the barrier, so a thread needs fewer registers and more programs
@@ -957,21 +914,18 @@ def sync_kernel(
             else:
                 # a thread holds every block of its columns: one chain of FMAs over them
                 y = _fma_lanes(tl.permute(b, (1, 0)), alpha, alpha_p * p, ROWS)
-    if (PHASE == 0 or PHASE == 2) and AB == 0:
+    if PHASE == 0 or PHASE == 2:
         lane = tl.full([1, 1, 1], YY, tl.int32)
         yy = tl.full([1, 1, 1], 0.0, tl.float32) + tl.sum(y * y, axis=0)  # y.y >= 0: adding +0.0 keeps its bits
         _put_record(record, c, lane, yy, lane >= 0, CLUSTER, CHUNKS, RECORD)
-    if PHASE == 0 and AB == 0:
+    if PHASE == 0:
         if CLUSTER:
             _exchange(c, BARS + 8, YY, 1, CHUNKS, RECORD)
         else:
             _arrive_and_wait(arrivals + 2 * t + 1, CHUNKS, POLLS)
     if PHASE == 0 or PHASE == 3:
         lane = YY + tl.arange(0, 1)
-        if AB == 0:
-            yy = tl.sum(_token_sum(stats, t, lane, CLUSTER, CHUNKS, SPAN, RECORD), axis=0)
-        else:
-            yy = tl.sum(y * y, axis=0)
+        yy = tl.sum(_token_sum(stats, t, lane, CLUSTER, CHUNKS, SPAN, RECORD), axis=0)
         if PHASE == 0 and not RELOAD:
             on = _widen(on_early)
         else:

@@ -95,14 +95,13 @@ class Variant:
     reload: bool = False  # sync: the blocks read again after the first barrier, not held in registers
     max_registers: int | None = None  # a thread's register cap (ptxas .maxnreg): more programs per SM
     cluster: bool = False  # sync: a token's programs in one thread block cluster, its barrier theirs
-    ablate: int = 0
 
     @property
     def name(self) -> str:
         parts = [self.kind, *(str(n) for n in (self.block or self.sub,) if n), f"w{self.num_warps}"]
         parts += ["reload"] if self.reload else []
         parts += ["cluster"] if self.cluster else []
-        return "-".join(parts + ([f"r{self.max_registers}"] if self.max_registers else []) + ([f"ab{self.ablate}"] if self.ablate else []))
+        return "-".join(parts + ([f"r{self.max_registers}"] if self.max_registers else []))
 
 
 # The configuration by T: the first (largest T, variant) whose bound holds. Chosen by kernel time at
@@ -147,7 +146,6 @@ VARIANTS = {
     for v in (
         *(v for _, v in BY_TOKENS), *WIDER_SYNC, ROW, WIDE_ROW,
         *(v for _, v in CLUSTERED), *(dataclasses.replace(v, cluster=False) for _, v in CLUSTERED),
-        *(dataclasses.replace(CLUSTERED[0][1], ablate=a) for a in (1, 2, 3, 4, 8, 9, 10, 12, 16)),
     )
 }  # fmt: skip
 
@@ -348,7 +346,6 @@ def make(
     span |= dict(RECORD=record_lanes(rows), EXCHANGE=exchange_bytes(chunks, rows) if chosen.cluster else 0)
     whole = dict(shared, **span, POLLS=SYNC_POLLS, PHASE=0, RELOAD=chosen.reload, PDL=bool(pdl), CLUSTER=chosen.cluster)
     whole |= dict(PREFETCH=T <= PREFETCH_MAX_T, LOADS_FIRST=loads_first(chosen, R, T, NB), LANES=lanes(chosen))
-    whole |= dict(ABLATE=chosen.ablate)
     kernel = dataclasses.replace(
         launch("sync_kernel", (chunks, T), whole, bool(pdl)), cluster=chunks if chosen.cluster else 0
     )
