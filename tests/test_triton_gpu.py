@@ -39,6 +39,7 @@ SWEEP = tuple(Config(configs.TP, t, 8) for t in (1, 8, 64, 512, 4096))  # the pr
 # configuration at the production shape. The one-program-per-token kernels over every option set: PyTorch only
 # (the JAX launch of the same kernel is the sweep's), which halves the compiles.
 CASES = [(c, None) for c in configs.PARITY] + [(c, v) for c in SWEEP for v in plan.VARIANTS]
+CASES += [(Config(configs.TP, plan.PREFETCH_MAX_T, 8), None)]  # the most tokens the L2 warm-up serves
 ONE_PROGRAM_PER_TOKEN = [(c, v) for c in configs.PARITY for v in ("row-w16", "tile-512-w8")]
 ORACLE_TOKENS = 64  # at larger T the oracle checks this many tokens, spread over T
 
@@ -171,8 +172,18 @@ def test_cluster_configuration_gives_the_bits_of_its_counterpart(triton_gpu, var
             testing.assert_same_bits(a, b, f"T={T} seed={SEED} {launch.__name__} {variant} {name} vs {counterpart}")
 
 
-# partial=: the default configuration over T (clusters with prefetch at T <= 8, reload at 512), the other kernels
-OWN = [(1, None), (8, None), (64, None), (512, None), (8, "row-w16"), (8, "tile-512-w8"), (3, "sync-256-w1")]
+# partial=: the default configuration over T (clusters, with prefetch at T <= plan.PREFETCH_MAX_T; reload at 512), the
+# other kernels
+OWN = [
+    (1, None),
+    (8, None),
+    (plan.PREFETCH_MAX_T, None),
+    (64, None),
+    (512, None),
+    (8, "row-w16"),
+    (8, "tile-512-w8"),
+    (3, "sync-256-w1"),
+]
 
 
 @pytest.mark.parametrize(("T", "variant"), OWN)
