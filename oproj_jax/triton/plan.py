@@ -74,10 +74,8 @@ ENABLE_FP_FUSION = False
 PDL_MIN_CAPABILITY = 90  # griddepcontrol (programmatic dependent launch) is sm_90 PTX
 # sync, up to this many tokens: every row a program reads asked of L2 at entry, before the PDL wait (kernel.py
 # PREFETCH), where few programs each wait on their loads: kernel 3.85 / 4.0 us at T = 1 / 8 against 4.2 / 4.85 asked
-# after the wait, 5.20 / 5.80 never asked (sync-1024-w4-cluster on the H200); pipelined on an H100 4.45 / 5.31 us at
-# T = 12 / 16, where never asking took 5.09 / 6.07 (docs/perf.md, "The Triton kernel"). From 24 tokens on it costs
-# (asked one address per line: 6.73 / 7.84 / 11.55 / 12.53 at T = 24 / 32 / 48 / 64 against 6.63 / 7.72 / 10.20 /
-# 11.47; one per 16 bytes at T = 64 on the H200: 12.43 against 11.00 asked after the wait).
+# after the wait, 5.20 / 5.80 never asked (sync-1024-w4-cluster on the H200); 4.45 / 5.31 us at T = 12 / 16 against
+# 5.09 / 6.07 never asked (H100); from 24 tokens on it costs (docs/perf.md, "The Triton kernel").
 PREFETCH_MAX_T = 16
 # sync, up to this many tokens: a program loads every row it reads before any arithmetic (kernel.py _rows_first,
 # LOADS_FIRST) where they fit in LOADS_FIRST_REGISTERS registers a thread (bf16 pairs: 112 at R = 16, NB = 8 and 8
