@@ -11,7 +11,8 @@
 #                         (its barriers: counters, polls, records; the cluster's barrier in
 #                         thread block clusters), a CUDA graph replay, a
 #                         jitted call through the package's launch target (graph node), PDL
-#                         launches on counters kept from call to call, partial= read in place
+#                         launches on counters kept from call to call, partial= read in place;
+#                         the L2 warm-up at its most tokens (plan.PREFETCH_MAX_T = 16)
 # One process per tool (memcheck, racecheck, synccheck, initcheck) and per group (the cute and
 # Pallas kernels; the Triton sync kernel), in parallel but initcheck (alone, below), each
 # bounded in time; memcheck, racecheck and synccheck instrument only our kernels (--kernel-name,
@@ -67,6 +68,8 @@ triton_tests=(
   "tests/test_triton_gpu.py::test_torch_launch_replays_in_a_cuda_graph[sync-1024-w4-cluster]"
   "tests/test_triton_gpu.py::test_own_partial_gives_the_bits_of_its_slot[1-None]"
   "tests/test_triton_gpu.py::test_own_partial_gives_the_bits_of_its_slot[64-None]"
+  "tests/test_triton_gpu.py::test_jax_and_torch_launches_agree_with_each_other_and_the_oracle[R16-T16-NB8-G4-default]"
+  "tests/test_triton_gpu.py::test_own_partial_gives_the_bits_of_its_slot[16-None]"
 )
 # cute consumer and publish kernels: "..._oproj_jaxcutekernelOprojConsumer_..." and
 # "..._oproj_jaxcutepublishPublish_..."; the Pallas kernel: pallas/consumer.py KERNEL_NAME
