@@ -184,6 +184,9 @@ def test_cli_rejects_unknown_backend_and_bad_sizes(capsys):
     assert "--nb: expected 0..8, got 9" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["--tokens", "1,x"])
+    with pytest.raises(SystemExit):
+        cli.main(["--decode-step", "--moe-width", "0"])
+    assert "--moe-width: expected 1..inf, got 0" in capsys.readouterr().err
 
 
 def test_prefix_model_matches_reference_bits():
@@ -647,6 +650,32 @@ def test_decode_step_forms_agree_and_the_carried_mailbox_holds_the_last_partial(
         (m, loop) for m in D.MAILBOXES for loop in ("scan", "unrolled")
     ]
     assert all(r["us_step"] > 0 and r["us_step_without_consumer"] > 0 for r in records)
+
+
+def test_decode_step_moe_width_sets_the_stand_ins_weights_and_is_recorded():
+    """moe_width is the MoE stand-in's F: w_up [L, H, F], w_down [L, F, H]; records carry it, and
+    a width that is not a positive int is refused naming the argument."""
+    from oproj_jax.bench import decode_step as D
+
+    with jax.default_device(jax.devices("cpu")[0]):
+        weights = D.make_weights(2, 1, moe_width=64)
+        records = D.run(
+            ["reference"],
+            [1],
+            layers=2,
+            reps=1,
+            repeats=1,
+            log=lambda m: None,
+            mailboxes=("carried",),
+            loops=("scan",),
+            moe_width=64,
+            figures=False,
+        )
+    assert weights["w_up"].shape == (2, D.H, 64) and weights["w_down"].shape == (2, 64, D.H)
+    assert [r["moe_width"] for r in records] == [64]
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="moe_width: expected a positive int"):
+            D.make_weights(2, 1, moe_width=bad)
 
 
 def test_decode_step_profile_sums_each_kernel_per_layer_and_the_busy_time():

@@ -99,6 +99,14 @@ def parse_args(argv):
         "--layers", type=int, default=None, help="layers per decode step (default 16; 2 for --cpu-anyway)"
     )
     parser.add_argument(
+        "--moe-width",
+        type=int,
+        default=1024,
+        metavar="F",
+        help="with --decode-step: the MoE stand-in's width (default %(default)s: ~36 MB of weights streamed "
+        "per layer; 64 streams ~7 MB)",
+    )
+    parser.add_argument(
         "--decode-profile",
         action="store_true",
         help="with --decode-step on a GPU: also where each step's device time goes, kernel by kernel "
@@ -136,6 +144,7 @@ def parse_args(argv):
         ("--ranks", args.ranks, 1, None),
         ("--nb", args.nb, 0, 8),
         ("--groups", args.groups, 1, 4),
+        ("--moe-width", args.moe_width, 1, None),
     ):
         if value < lo or (hi is not None and value > hi):
             parser.error(f"{name}: expected {lo}..{hi if hi is not None else 'inf'}, got {value}")
@@ -296,6 +305,7 @@ def main(argv=None) -> int:
             figures=figures,
             profile=args.decode_profile and figures,
             loops=tuple(args.decode_loops.split(",")),
+            moe_width=args.moe_width,
         )
         print(report.decode_step_table(records, figures=figures))
         if args.json:

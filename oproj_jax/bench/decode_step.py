@@ -6,7 +6,8 @@ One rank of a TP16 model, T tokens. Each layer:
   mailbox  = this rank's slot <- partial                 [R, T, H], the R-1 other slots as the
                                                          peers delivered them (see MAILBOXES)
   prefix, output = consumer(mailbox, prefix, blocks, norm, query, out_norm)
-  moe      = silu(output @ w_up [H, F]) @ w_down [F, H]  a stand-in for the MoE (F = 1024)
+  moe      = silu(output @ w_up [H, F]) @ w_down [F, H]  a stand-in for the MoE (F = moe_width,
+                                                         1024 by default)
   attn     = moe[:, :H/R]                                the next layer's attention output
 
 The partial is materialized first (optimization_barrier), as a collective or a peer write
@@ -14,8 +15,9 @@ would. How the mailbox is formed (`mailbox`, MAILBOXES):
   "carried"  one [R, T, H] mailbox is part of the step's state (donated, a scan carry), and each
              layer writes its partial into slot 0 in place: the consumer side of mode="peer",
              whose mailbox is one buffer the peers write into directly and every layer reuses
-             (here the peers' slots keep their values; the MoE weights streamed per layer,
-             ~36 MB, keep the mailbox from staying in the 50 MB L2 between layers);
+             (here the peers' slots keep their values; the weights streamed per layer, ~36 MB
+             at F = 1024, keep the mailbox from staying in the 50 MB L2 between layers; F = 64
+             streams ~7 MB, so that what L2 holds between layers can be told apart);
   "partial"  the carried mailbox holding the peers' slots, and the partial passed as
              consumer(..., partial=partial, rank=0): read where the o-proj left it, slot 0 not
              written (no copy; kernels that do not read it in place copy the mailbox instead);
@@ -59,9 +61,13 @@ EPS = 1e-6
 bf16, f32 = jnp.bfloat16, jnp.float32
 
 
-def make_weights(layers: int, T: int, mailbox: str = "carried", seed: int = 0) -> dict:
+def make_weights(layers: int, T: int, mailbox: str = "carried", seed: int = 0, moe_width: int = F) -> dict:
     """Stacked per-layer weights and peer slots on the default device (random, scaled so the
-    activations stay O(1))."""
+    activations stay O(1)); the MoE stand-in is `moe_width` wide."""
+    if isinstance(moe_width, bool) or not isinstance(moe_width, int) or moe_width < 1:
+        raise ValueError(
+            f"moe_width: expected a positive int (the MoE stand-in's width, default {F}), got {moe_width!r}"
+        )
 
     @jax.jit
     def init(key):
@@ -69,8 +75,8 @@ def make_weights(layers: int, T: int, mailbox: str = "carried", seed: int = 0) -
         normal = lambda key, shape, scale: (jax.random.normal(key, shape, f32) * scale).astype(bf16)
         weights = dict(
             w_o=normal(k[0], (layers, K, H), K**-0.5),
-            w_up=normal(k[2], (layers, H, F), H**-0.5),
-            w_down=normal(k[3], (layers, F, H), F**-0.5),
+            w_up=normal(k[2], (layers, H, moe_width), H**-0.5),
+            w_down=normal(k[3], (layers, moe_width, H), moe_width**-0.5),
             norm=(1 + normal(k[4], (layers, H), 0.1)).astype(bf16),
             query=normal(k[5], (layers, H), 1.0),
             out_norm=(1 + normal(k[6], (layers, H), 0.1)).astype(bf16),
@@ -226,16 +232,17 @@ def run(
     figures: bool = True,
     profile: bool = False,
     loops=LOOPS,
+    moe_width: int = F,
 ) -> list[dict]:
     """Records (kind "decode_step") per mailbox form, backend, T and loop form: the step time
     with and without the consumer (medians of `repeats` interleaved measurements of `reps`
     steps each) and the consumer's share per layer; with `profile` (on a GPU), where each
-    step's device time goes, kernel by kernel (profile_fields). figures=False (off a GPU): the
-    steps run, and the records carry no time."""
+    step's device time goes, kernel by kernel (profile_fields). `moe_width`: the MoE stand-in's
+    width F. figures=False (off a GPU): the steps run, and the records carry no time."""
     device = getattr(jax.devices()[0], "device_kind", jax.devices()[0].platform)
     records = []
     for T, form in ((T, form) for T in tokens for form in mailboxes):
-        weights, state = make_weights(layers, T, form), make_state(T)
+        weights, state = make_weights(layers, T, form, moe_width=moe_width), make_state(T)
         for loop in loops:
             without = step_fn(None, loop, layers, form)
             for backend in backends:
@@ -245,7 +252,9 @@ def run(
                     for _ in range(repeats)
                 ]  # interleaved, so drifts hit both alike
                 if not figures:
-                    shape = dict(backend=backend, loop=loop, mailbox=form, T=T, R=R, NB=NB, layers=layers)
+                    shape = dict(
+                        backend=backend, loop=loop, mailbox=form, T=T, R=R, NB=NB, layers=layers, moe_width=moe_width
+                    )
                     records.append(
                         dict(kind="decode_step", **shape, device=device, note="the steps ran; no time off the GPU")
                     )
@@ -262,6 +271,7 @@ def run(
                     R=R,
                     NB=NB,
                     layers=layers,
+                    moe_width=moe_width,
                     us_step=t_with,
                     us_step_without_consumer=t_without,
                     us_consumer_per_layer=(t_with - t_without) / layers,
