@@ -39,6 +39,7 @@ def _int_list(text: str) -> list[int]:
 
 def parse_args(argv):
     from oproj_jax import configs
+    from oproj_jax.bench import decode_step
 
     parser = argparse.ArgumentParser(
         prog="python -m oproj_jax.bench",
@@ -101,7 +102,7 @@ def parse_args(argv):
     parser.add_argument(
         "--moe-width",
         type=int,
-        default=1024,
+        default=decode_step.F,
         metavar="F",
         help="with --decode-step: the MoE stand-in's width (default %(default)s: ~36 MB of weights streamed "
         "per layer; 64 streams ~7 MB)",
@@ -148,11 +149,9 @@ def parse_args(argv):
     ):
         if value < lo or (hi is not None and value > hi):
             parser.error(f"{name}: expected {lo}..{hi if hi is not None else 'inf'}, got {value}")
-    from oproj_jax.bench.decode_step import MAILBOXES
-
-    unknown = set(args.mailboxes.split(",")) - set(MAILBOXES)
+    unknown = set(args.mailboxes.split(",")) - set(decode_step.MAILBOXES)
     if unknown:
-        parser.error(f"--mailboxes: expected some of {','.join(MAILBOXES)}, got {args.mailboxes!r}")
+        parser.error(f"--mailboxes: expected some of {','.join(decode_step.MAILBOXES)}, got {args.mailboxes!r}")
     from oproj_jax.bench.timing import parse_buffers
 
     try:
