@@ -251,10 +251,10 @@ def run(
                     (time_steps(with_consumer, state, weights, reps), time_steps(without, state, weights, reps))
                     for _ in range(repeats)
                 ]  # interleaved, so drifts hit both alike
+                shape = dict(
+                    backend=backend, loop=loop, mailbox=form, T=T, R=R, NB=NB, layers=layers, moe_width=moe_width
+                )
                 if not figures:
-                    shape = dict(
-                        backend=backend, loop=loop, mailbox=form, T=T, R=R, NB=NB, layers=layers, moe_width=moe_width
-                    )
                     records.append(
                         dict(kind="decode_step", **shape, device=device, note="the steps ran; no time off the GPU")
                     )
@@ -264,14 +264,7 @@ def run(
                 t_without = statistics.median(p[1] for p in pairs)
                 record = dict(
                     kind="decode_step",
-                    backend=backend,
-                    loop=loop,
-                    mailbox=form,
-                    T=T,
-                    R=R,
-                    NB=NB,
-                    layers=layers,
-                    moe_width=moe_width,
+                    **shape,
                     us_step=t_with,
                     us_step_without_consumer=t_without,
                     us_consumer_per_layer=(t_with - t_without) / layers,
