@@ -63,3 +63,24 @@ def test_mailbox_slots_are_asked_of_l2_only_in_ready_mode():
         ready in ands.get(selects.get(r), ()) for r in re.findall(r"setp\.ne\.s32 p, (%r\d+), 0; @p prefetch", head)
     ]
     assert gated == [False] + [True] * 16
+
+
+def test_the_next_grid_may_launch_on_entry_or_after_the_wait_by_the_launchs_tokens():
+    """Launches of up to TRIGGER_AFTER_WAIT_MAX_T tokens let the next grid launch after their PDL
+    wait, larger ones on entry (kernel.py, "PDL"): one griddepcontrol.launch_dependents on each
+    side of the wait, each under a branch on %nctaid.y against the bound."""
+    ptx = build.compile_variant(cute_manifest.make_key(16, 8, True, 4, 0, False), cute_manifest.FOLDED, with_ptx=True)[
+        "ptx"
+    ]
+    body = ptx[ptx.index(".entry") :]
+    wait = body.index("griddepcontrol.wait;")
+    launches = [m.start() for m in re.finditer(r"griddepcontrol\.launch_dependents;", body)]
+    assert len(launches) == 2 and launches[0] < wait < launches[1]
+    tokens = re.search(r"mov\.u32 (%r\d+), %nctaid\.y;", body[:wait]).group(1)
+    bound = kernel.TRIGGER_AFTER_WAIT_MAX_T
+    # before the wait: skipped (branch taken) when tokens < bound + 1; after it: skipped when tokens > bound
+    before = re.search(rf"setp\.lt\.s32\s+(%p\d+), {re.escape(tokens)}, {bound + 1};\s*@\1 bra", body[: launches[0]])
+    # the compare may come before the wait (and the L2 warm-up's own compare before it)
+    after = re.findall(rf"setp\.gt\.s32\s+(%p\d+), {re.escape(tokens)}, {bound};", body[launches[0] : launches[1]])
+    assert before and after, "the trigger's place is not chosen by the launch's tokens"
+    assert re.search(rf"^\s*@{after[-1]} bra", body[wait : launches[1]], re.M)

@@ -5,7 +5,8 @@ One token per cluster of 7 CTAs (grid (7, T)), 128 * groups threads per CTA. Thr
 group 0 in CTA c owns the 8 contiguous elements h = (c*128 + i)*8 .. +7 of the hidden row.
 
 Timeline of one CTA:
-  all      PDL trigger; up to WARM_L2_MAX_T tokens group 0 asks L2 for every row (L2 warm-up); PDL wait
+  all      PDL trigger (more than TRIGGER_AFTER_WAIT_MAX_T tokens); up to WARM_L2_MAX_T tokens group 0
+           asks L2 for every row (L2 warm-up); PDL wait; PDL trigger (up to TRIGGER_AFTER_WAIT_MAX_T)
   group 0  cp.async its slices of norm, query, out_norm, prefix (has_delta) -> smem (group 1),
            issues the first polling loads of its rank slots, then cp.async the blocks (group 2)
   all      while those loads are in flight: thread 0 inits the exchange mbarrier, then the
@@ -27,12 +28,17 @@ mix.p after the softmax. Both of the latter are arithmetic on sums the first exc
 second round trip on the critical path at small T, while every CTA of a cluster waits for its
 slowest sibling's mailbox before the mix (docs/perf.md, "The CuTe kernel").
 
-PDL: `griddepcontrol.launch_dependents` on entry; `griddepcontrol.wait` right after the
+PDL: `griddepcontrol.launch_dependents` (below); `griddepcontrol.wait` right after the
 shared-memory setup and BEFORE the first global read. The original kernel waits at exit, which is only
 safe when every input it reads early arrives through the polled mailbox; under XLA the
 previous kernel writes prefix, blocks and the mailbox with ordinary stores, and PDL gives no
 visibility of those before the wait. The launch latency and setup still overlap the previous
 kernel; the later `wait` the original kernel has at exit is then a no-op and is left out.
+Where the next grid may launch depends on the launch's tokens (%nctaid.y): up to
+TRIGGER_AFTER_WAIT_MAX_T tokens the trigger comes right after the wait, so that one grid at a
+time warms its rows while the one ahead runs; with the trigger on entry grids further down a
+chain launch while the one ahead still waits, and their warm-ups compete with the grid that
+runs. Larger launches trigger on entry (docs/perf.md, "When the next grid may launch").
 
 L2 warm-up: a launch of few tokens is a few clusters waiting on their loads, which PDL starts
 while the kernel ahead still runs. Before the wait group 0 asks L2 for the CTA's slice of every
@@ -103,6 +109,7 @@ TRACE_GLOBAL = {"entry": TRACE_SLOTS - 2, "stored": TRACE_SLOTS - 1}  # marks th
 TWOSHOT_CHUNK = 8  # recv slots polled at once by a twoshot reducer thread
 READY_NC_MIN_T = 64  # ready mode loads the mailbox non-coherently from this many tokens on
 WARM_L2_MAX_T = 16  # launches of up to this many tokens warm L2 before the PDL wait (L2 warm-up)
+TRIGGER_AFTER_WAIT_MAX_T = 16  # launches of up to this many tokens let the next grid launch after their wait
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -383,11 +390,12 @@ class OprojConsumer:
         bar_pre, bar_post = smem + L.bar, smem + L.bar + 8
         mark = self.marker(status, token, rank, thread)
         mark("entry")
-        P.griddep_launch_dependents()
+        tokens = P.nctaid_y()  # this launch's tokens (T is the mailbox slots' capacity)
+        if tokens > TRIGGER_AFTER_WAIT_MAX_T:
+            P.griddep_launch_dependents()
 
         h = (rank * THREADS + t) * VEC
         row = Int64(token) * H + h  # element offset of this thread's fragment in a [T, H] row
-        tokens = P.nctaid_y()  # this launch's tokens (T is the mailbox slots' capacity)
         slot_stride = Int64(T) * (H * 2)  # bytes between mailbox slots (T: the slots' capacity)
         frag = mailbox + row * 2
         jump = Int64(0)  # own variants: the byte distance from slot own_slot to own (Own partial)
@@ -397,6 +405,8 @@ class OprojConsumer:
             self.warm_l2(thread, token, Int64(rank * THREADS * VEC), mailbox, slot_stride, jump, own_slot, prefix,
                          blocks, norm, query, out_norm, timeout_us)
         P.griddep_wait()  # before the first global read: see the module docstring
+        if tokens <= TRIGGER_AFTER_WAIT_MAX_T:
+            P.griddep_launch_dependents()
         mark("pdl_wait")
         raw = cute.make_rmem_tensor(cute.make_layout(4 * self.raw_slots), cutlass.Uint32)
 
