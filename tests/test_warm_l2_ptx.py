@@ -4,6 +4,7 @@ launches of up to WARM_L2_MAX_T tokens, and no global read at all (kernel.py, "L
 That the bits stay right when the kernel ahead has just written what is prefetched (the prefix it
 carries) is for the multi-step tests of tests/test_contract.py on a GPU."""
 
+import functools
 import re
 
 import pytest
@@ -18,9 +19,15 @@ from oproj_jax.cute import kernel  # noqa: E402 (needs the DSL)
 PREFETCH = r"@p prefetch\.global\.L2 \[[^]]+\];"
 
 
+@functools.cache
+def _body(key_items):
+    """The PTX of a key's kernel from its .entry on (compiled once per key for the module)."""
+    ptx = build.compile_variant(dict(key_items), cute_manifest.FOLDED, with_ptx=True)["ptx"]
+    return ptx[ptx.index(".entry") :]
+
+
 def _before_wait(key):
-    ptx = build.compile_variant(key, cute_manifest.FOLDED, with_ptx=True)["ptx"]
-    body = ptx[ptx.index(".entry") :]
+    body = _body(tuple(key.items()))
     return body[: body.index("griddepcontrol.wait;")]
 
 
@@ -69,10 +76,7 @@ def test_the_next_grid_may_launch_on_entry_or_after_the_wait_by_the_launchs_toke
     """Launches of up to TRIGGER_AFTER_WAIT_MAX_T tokens let the next grid launch after their PDL
     wait, larger ones on entry (kernel.py, "PDL"): one griddepcontrol.launch_dependents on each
     side of the wait, each under a branch on %nctaid.y against the bound."""
-    ptx = build.compile_variant(cute_manifest.make_key(16, 8, True, 4, 0, False), cute_manifest.FOLDED, with_ptx=True)[
-        "ptx"
-    ]
-    body = ptx[ptx.index(".entry") :]
+    body = _body(tuple(cute_manifest.make_key(16, 8, True, 4, 0, False).items()))
     wait = body.index("griddepcontrol.wait;")
     launches = [m.start() for m in re.finditer(r"griddepcontrol\.launch_dependents;", body)]
     assert len(launches) == 2 and launches[0] < wait < launches[1]
