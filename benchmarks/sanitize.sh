@@ -1,6 +1,6 @@
 #!/bin/bash
 # compute-sanitizer over every kernel path, through the GPU tests that check each path's results:
-#   cute, protocol mode   tests/test_cute_gpu.py::test_oneshot_parity (poll, sum, re-arm; xmoe, NB 0/1/8, R 1/2/16)
+#   cute, protocol mode   tests/test_cute_gpu.py::test_oneshot_parity (poll, sum, re-arm; xmoe, NB 0/1/8, R 1/2/16; T 1/3/32)
 #   cute, twoshot         tests/test_cute_gpu.py::test_twoshot_parity
 #   cute, ready mode      tests/test_cute_gpu.py::test_registry_consumer_ready_mode (the registry path),
 #                         tests/test_contract.py::test_own_partial_stands_for_its_slot (partial= in place)
@@ -38,6 +38,7 @@ tests=(
   "tests/test_cute_gpu.py::test_oneshot_parity[R16-T3-NB0-G3-nodelta]"
   "tests/test_cute_gpu.py::test_oneshot_parity[R2-T3-NB1-G3]"
   "tests/test_cute_gpu.py::test_oneshot_parity[R1-T3-NB0-G4-x1]"
+  "tests/test_cute_gpu.py::test_oneshot_parity[R16-T32-NB8-G4]"
   "tests/test_cute_gpu.py::test_twoshot_parity[R16-T3-NB8-G1-twoshot]"
   "tests/test_cute_gpu.py::test_registry_consumer_ready_mode[R16-T3-NB8-G4]"
   "tests/test_cute_gpu.py::test_registry_consumer_ready_mode[R16-T1-NB1-G2-x2]"
@@ -49,7 +50,7 @@ tests=(
   "tests/test_pallas.py::test_parity_gpu[R16-T3-NB0-G3-nodelta-default]"
 )
 # the Pallas kernel alone (group "pallas"): its tests in "ours" run after the cute ones
-pallas_tests=("${tests[@]:11:3}")
+pallas_tests=("${tests[@]:12:3}")
 if [ "$gpus" -ge 2 ]; then
   tests+=("tests/test_peer_gpu.py::test_peer_bits_equal_oneshot[R2-T1-NB0-G2-nodelta]"
           "tests/test_peer_gpu.py::test_peer_bits_equal_oneshot[R2-T8-NB0-G4-nodelta-x1]")

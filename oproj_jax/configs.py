@@ -59,8 +59,9 @@ PARITY = (
 # A cheap subset for slow paths (Pallas interpret mode on the CPU).
 PARITY_SMALL = tuple(c for c in PARITY if c.T <= 3 and not c.twoshot)[:8]
 
-# The GPU check sweep adds the large token counts at the production shape.
-CHECK_T = (1, 3, 8, 64, 512, 4096)
+# The GPU check sweep adds more token counts at the production shape: 16 and 32 are the CuTe
+# kernel's last launches with the L2 warm-up and with the PDL trigger after its wait.
+CHECK_T = (1, 3, 8, 16, 32, 64, 512, 4096)
 # Every NB strictly between 1 and 8 once (the CuTe kernel's exchanged statistics and its
 # tensor-core operand rows depend on NB), at R=16 so that no extra cubin is needed.
 MID_NB = (

@@ -109,7 +109,7 @@ TRACE_GLOBAL = {"entry": TRACE_SLOTS - 2, "stored": TRACE_SLOTS - 1}  # marks th
 TWOSHOT_CHUNK = 8  # recv slots polled at once by a twoshot reducer thread
 READY_NC_MIN_T = 64  # ready mode loads the mailbox non-coherently from this many tokens on
 WARM_L2_MAX_T = 16  # launches of up to this many tokens warm L2 before the PDL wait (L2 warm-up)
-TRIGGER_AFTER_WAIT_MAX_T = 16  # launches of up to this many tokens let the next grid launch after their wait
+TRIGGER_AFTER_WAIT_MAX_T = 32  # launches of up to this many tokens let the next grid launch after their wait
 
 
 def _ceil_div(a: int, b: int) -> int:
