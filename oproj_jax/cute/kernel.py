@@ -36,9 +36,10 @@ visibility of those before the wait. The launch latency and setup still overlap 
 kernel; the later `wait` the original kernel has at exit is then a no-op and is left out.
 Where the next grid may launch depends on the launch's tokens (%nctaid.y): up to
 TRIGGER_AFTER_WAIT_MAX_T tokens the trigger comes right after the wait, so that one grid at a
-time warms its rows while the one ahead runs; with the trigger on entry grids further down a
-chain launch while the one ahead still waits, and their warm-ups compete with the grid that
-runs. Larger launches trigger on entry (docs/perf.md, "When the next grid may launch").
+time waits (and, up to WARM_L2_MAX_T tokens, warms its rows) while the one ahead runs; with the
+trigger on entry grids further down a chain launch while the one ahead still waits and compete
+with the grid that runs. Larger launches trigger on entry (docs/perf.md, "When the next grid may
+launch").
 
 L2 warm-up: a launch of few tokens is a few clusters waiting on their loads, which PDL starts
 while the kernel ahead still runs. Before the wait group 0 asks L2 for the CTA's slice of every
