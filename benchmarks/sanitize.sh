@@ -32,6 +32,12 @@ groups=${4:-ours triton}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} XLA_PYTHON_CLIENT_PREALLOCATE=false NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
 gpus=$(nvidia-smi -L | wc -l)
+# the Pallas kernel (group "pallas" alone; in "ours" after the cute tests)
+pallas_tests=(
+  "tests/test_pallas.py::test_parity_gpu[R16-T3-NB8-G4-default]"
+  "tests/test_pallas.py::test_parity_gpu[R16-T3-NB8-G4-split7]"
+  "tests/test_pallas.py::test_parity_gpu[R16-T3-NB0-G3-nodelta-default]"
+)
 tests=(
   "tests/test_cute_gpu.py::test_oneshot_parity[R16-T3-NB8-G4]"
   "tests/test_cute_gpu.py::test_oneshot_parity[R16-T1-NB1-G2-x2]"
@@ -45,12 +51,8 @@ tests=(
   "tests/test_cute_gpu.py::test_registry_consumer_ready_mode[R16-T3-NB0-G3-nodelta]"
   "tests/test_cute_gpu.py::test_bounded_polling_reports_a_slot_never_published"
   "tests/test_contract.py::test_own_partial_stands_for_its_slot[cute-9]"
-  "tests/test_pallas.py::test_parity_gpu[R16-T3-NB8-G4-default]"
-  "tests/test_pallas.py::test_parity_gpu[R16-T3-NB8-G4-split7]"
-  "tests/test_pallas.py::test_parity_gpu[R16-T3-NB0-G3-nodelta-default]"
+  "${pallas_tests[@]}"
 )
-# the Pallas kernel alone (group "pallas"): its tests in "ours" run after the cute ones
-pallas_tests=("${tests[@]:12:3}")
 if [ "$gpus" -ge 2 ]; then
   tests+=("tests/test_peer_gpu.py::test_peer_bits_equal_oneshot[R2-T1-NB0-G2-nodelta]"
           "tests/test_peer_gpu.py::test_peer_bits_equal_oneshot[R2-T8-NB0-G4-nodelta-x1]")
