@@ -275,6 +275,50 @@ def relog(paths: list[str]) -> tuple[list, list, dict]:
     return runs, decode_runs, logs
 
 
+def measured_records(args, module: str, common: list[str]) -> tuple[list[dict], dict]:
+    """The records of this run's processes (or of --relog's kept logs), merged; (records, logs)."""
+    if args.relog:
+        runs, decode_runs, logs = relog(args.relog)
+    else:
+        runs, decode_runs, logs = measure(args, module, common)
+    header = next((r for rs in runs for r in rs if r.get("kind") == "header"), None) or next(
+        (r for rs in decode_runs for r in rs if r.get("kind") == "header"), None
+    )
+    header = header or dict(
+        kind="header",
+        device=next((r.get("device") for rs in runs for r in rs if r.get("device")), args.device or "gpu"),
+    )
+    if args.relog:
+        header.update(relogged_from=[os.path.basename(p) for p in args.relog])
+    records = [
+        header,
+        *merge(runs, primary=None if args.tp else args.buffers.split(",")[0]),
+        *merge_decode(decode_runs),
+        *(r for rs in runs for r in rs if r.get("kind") in ("error", "copy")),
+    ]
+    return records, logs
+
+
+def join(paths: list[str]) -> tuple[list[dict], dict]:
+    """One record of complete outputs of separate runs of this script on one device (the chains
+    in one, the decode step in another: each fits a bounded call where both together may not):
+    the first output's header, marked joined_from, then every output's records and logs."""
+    outputs = []
+    for path in paths:
+        with open(path) as f:
+            outputs.append((os.path.basename(path), json.load(f)))
+    devices = {r.get("device") for _, out in outputs for r in out["records"] if r.get("kind") == "header"}
+    if len(devices) != 1:
+        raise SystemExit(
+            f"--join: the outputs come from different devices ({sorted(map(str, devices))}); join one device's"
+        )
+    header = dict(next(r for r in outputs[0][1]["records"] if r.get("kind") == "header"))
+    header.update(joined_from=[name for name, _ in outputs])
+    records = [header, *(r for _, out in outputs for r in out["records"] if r.get("kind") != "header")]
+    logs = {f"{name}: {key}": log for name, out in outputs for key, log in out.get("logs", {}).items()}
+    return records, logs
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", required=True)
@@ -318,6 +362,14 @@ def main(argv=None) -> int:
         "writing their JSON), with --device naming the GPU they ran on",
     )
     parser.add_argument("--device", default=None, help="the device's name where the records do not carry it")
+    parser.add_argument(
+        "--join",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="measure nothing: one record of these complete outputs of one device (e.g. a run with "
+        "--decode-tokens '' and one with --processes 0), under --name",
+    )
     args = parser.parse_args(argv)
 
     if args.tp:
@@ -331,23 +383,12 @@ def main(argv=None) -> int:
             "oproj_jax.bench",
             ["--backends", args.backends, "--tokens", args.tokens, "--reps", str(args.reps)],
         )
-    if args.relog:
-        runs, decode_runs, logs = relog(args.relog)
+    if args.join:
+        records, logs = join(args.join)
+        header = records[0]
     else:
-        runs, decode_runs, logs = measure(args, module, common)
-    decode = merge_decode(decode_runs)
-    header = next((r for rs in runs for r in rs if r.get("kind") == "header"), None) or dict(
-        kind="header",
-        device=next((r.get("device") for rs in runs for r in rs if r.get("device")), args.device or "gpu"),
-    )
-    if args.relog:
-        header.update(relogged_from=[os.path.basename(p) for p in args.relog])
-    records = [
-        header,
-        *merge(runs, primary=None if args.tp else args.buffers.split(",")[0]),
-        *decode,
-        *(r for rs in runs for r in rs if r.get("kind") in ("error", "copy")),
-    ]
+        records, logs = measured_records(args, module, common)
+        header = records[0]
     for r in records:
         if r.get("kind") in ("timing", "decode_step") and not r.get("device"):
             r["device"] = header["device"]
@@ -356,7 +397,7 @@ def main(argv=None) -> int:
     path = os.path.join(args.out_dir, f"{date}-{device}-{args.name}.json")
     with open(path, "w") as f:
         json.dump(dict(records=records, logs=logs), f, indent=1)
-    if not args.relog and os.path.exists(kept_logs_path(args)):
+    if not (args.relog or args.join) and os.path.exists(kept_logs_path(args)):
         os.remove(kept_logs_path(args))  # the record holds them now
     print(f"wrote {path}")
     print(

@@ -730,3 +730,34 @@ def test_decode_step_table_names_the_device_and_shows_no_negative_share():
     cpu = dict(step("reference", 0, 0), device="cpu")
     plain = report.decode_step_table([cpu], figures=False)
     assert plain.splitlines()[0].endswith("on one cpu") and "one GPU" not in plain and "us/step" not in plain
+
+
+def test_record_joins_a_chains_run_and_a_decode_run_of_one_device(tmp_path, monkeypatch):
+    """The chains and the decode step measured by separate runs (each fits a bounded call) make
+    one record: the first run's header, both runs' records and logs; outputs of two devices are
+    refused by name."""
+    record = benchmark_script("record")
+    header = dict(kind="header", device="NVIDIA H200", seed=1)
+    chain = dict(kind="timing", backend="cute", T=1, R=16, NB=8, us=2.5, us_kernels=2.3, buffers="pipelined",
+                 device="NVIDIA H200", method="m")  # fmt: skip
+    step = dict(kind="decode_step", backend="cute", loop="scan", mailbox="carried", T=1, us_step=570.0,
+                us_step_without_consumer=490.0, us_consumer_per_layer=5.0, device="NVIDIA H200", method="m")  # fmt: skip
+    monkeypatch.setattr(record, "bench", lambda args, timeout, module="": ([header, chain], "chain log"))
+    record.main(
+        ["--out-dir", str(tmp_path), "--backends", "cute", "--tokens", "1", "--decode-tokens", "", "--name", "a"]
+    )
+    monkeypatch.setattr(record, "bench", lambda args, timeout, module="": ([dict(header, seed=2), step], "step log"))
+    record.main(["--out-dir", str(tmp_path), "--processes", "0", "--decode-tokens", "1", "--name", "b"])
+    (a,), (b,) = tmp_path.glob("*-a.json"), tmp_path.glob("*-b.json")
+    record.main(["--out-dir", str(tmp_path), "--join", str(a), str(b), "--name", "record"])
+    (joined,) = tmp_path.glob("*-nvidia-h200-record.json")
+    records = json.loads(joined.read_text())["records"]
+    assert records[0]["seed"] == 1 and records[0]["joined_from"] == [a.name, b.name]
+    assert [(r["kind"], r.get("record")) for r in records[1:]] == [("timing", True), ("decode_step", True)]
+    assert records[1]["us_runs"] == [2.5, 2.5, 2.5] and records[2]["us_consumer_per_layer_processes"] == [5.0] * 3
+    logs = json.loads(joined.read_text())["logs"]
+    assert logs[f"{a.name}: process 0"] == "chain log" and logs[f"{b.name}: decode step 2"] == "step log"
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(dict(records=[dict(header, device="NVIDIA H100")], logs={})))
+    with pytest.raises(SystemExit, match="different devices"):
+        record.main(["--out-dir", str(tmp_path), "--join", str(a), str(other)])
