@@ -68,7 +68,8 @@ LOGGED_TIMING = re.compile(
 # bench/decode_step.py's line: "decode step T=   1 carried scan     cute   563.9 us/step, without consumer
 # 480.5 -> consumer   5.21 us/layer"
 LOGGED_DECODE = re.compile(
-    r"decode step T=\s*(?P<T>\d+) (?P<mailbox>\S+)\s+(?P<loop>\S+)\s+(?P<backend>\S+)\s+(?P<with>[\d.]+) us/step, "
+    r"decode step T=\s*(?P<T>\d+) (?P<mailbox>\S+)\s+(?P<loop>\S+)\s+(?P<backend>[^\s+]+)(?P<capture>\+capture)?\s+"
+    r"(?P<with>[\d.]+) us/step, "
     r"without consumer\s+(?P<without>[\d.]+) -> consumer\s+(?P<share>-?[\d.]+) us/layer"
 )
 
@@ -116,6 +117,7 @@ def records_from_log(log: str) -> list[dict]:
             R=cli.ranks,
             NB=cli.nb,
             layers=16,  # the CLI's default on a GPU, the only one this script runs
+            **({"stream_capture": True} if m["capture"] else {}),
             us_step=float(m["with"]),
             us_step_without_consumer=float(m["without"]),
             us_consumer_per_layer=float(m["share"]),
@@ -207,14 +209,15 @@ def merge(runs: list[list[dict]], primary: str | None = None) -> list[dict]:
 
 
 def merge_decode(runs: list[list[dict]]) -> list[dict]:
-    """One decode-step record per (backend, mailbox form, loop, T): the medians over the
+    """One decode-step record per (backend, mailbox form, loop, T, stream_capture): the medians over the
     processes of the step time with and without the consumer and of the consumer's share per
     layer, every process's value kept (`*_processes`)."""
     by_key: dict[tuple, list[dict]] = {}
     for records in runs:
         for r in records:
             if r.get("kind") == "decode_step":
-                by_key.setdefault((r["backend"], r["mailbox"], r["loop"], r["T"]), []).append(r)
+                key = (r["backend"], r["mailbox"], r["loop"], r["T"], bool(r.get("stream_capture")))
+                by_key.setdefault(key, []).append(r)
     merged = []
     for rs in by_key.values():
         out = {k: v for k, v in rs[0].items() if not k.endswith("_runs")}
@@ -255,6 +258,7 @@ def measure(args, module: str, common: list[str]) -> tuple[list, list, dict]:
     for i in range(args.decode_processes if args.decode_tokens else 0):
         decode_args = ["--decode-step", "--backends", args.decode_backends or args.backends]
         decode_args += ["--mailboxes", args.decode_mailboxes, "--tokens", args.decode_tokens, "--reps", "30"]
+        decode_args += ["--decode-capture", args.decode_capture]
         records, log = bench(decode_args, args.decode_timeout or args.timeout)
         decode_runs.append(records)
         logs[f"decode step {i}"] = log[-6000:]
@@ -339,6 +343,13 @@ def main(argv=None) -> int:
         "--decode-mailboxes", default="carried,partial", help="the decode step's mailbox forms (bench --mailboxes)"
     )
     parser.add_argument(
+        "--decode-capture",
+        choices=("off", "on", "both"),
+        default="both",
+        help="the decode step's consumer as a graph node (off), with stream_capture=True (on) or both "
+        "(bench --decode-capture; default %(default)s)",
+    )
+    parser.add_argument(
         "--decode-timeout", type=float, default=None, help="seconds per decode process (default --timeout)"
     )
     parser.add_argument("--timeout", type=float, default=200.0, help="seconds per process")
@@ -418,7 +429,8 @@ def main(argv=None) -> int:
             )
         elif r.get("kind") == "decode_step":
             print(
-                f"decode {r['backend']:9s} {r['loop']:8s} T={r['T']:4d} {r['us_step']:9.1f} us/step, "
+                f"decode {r['backend'] + '+capture' * bool(r.get('stream_capture')):14s} {r['mailbox']:7s} "
+                f"{r['loop']:8s} T={r['T']:4d} {r['us_step']:9.1f} us/step, "
                 f"consumer {r['us_consumer_per_layer']:6.2f} us/layer"
             )
     return 0

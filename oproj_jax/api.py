@@ -10,7 +10,9 @@ Every backend module exposes the same three names:
 backend whose consumer takes a caller's own partial (`partial=`, `rank=`) says so with
 READS_PARTIAL = True, and partial_in_place(dims, **options) says whether it reads it in place
 (else it writes it into a copy of the mailbox); for the others this module writes the partial
-into a copy of the mailbox first (reference.with_partial).
+into a copy of the mailbox first (reference.with_partial). A backend whose kernel enters XLA's
+CUDA graph as a kernel node says so with GRAPH_NODE = True; its consumer takes
+`stream_capture=` (the caller's choice of a captured launch instead; consumer's docstring).
 `consumer` here checks the arguments once, then calls the chosen backend with arrays that
 are known to be well formed. Naming a backend that cannot run raises; nothing falls back.
 """
@@ -25,7 +27,7 @@ import jax
 
 from oproj_jax.contract import ConsumerResult, Dims, check_arguments, check_partial
 from oproj_jax.cute import manifest as cute_manifest
-from oproj_jax.options import DEFAULTS, Options, takes_options
+from oproj_jax.options import DEFAULTS, Options, check_bool, takes_options
 
 # Name -> module. Order matters for "auto": the first kernel that runs and handles the shape.
 _BACKENDS = {
@@ -216,6 +218,10 @@ def _checked_call(arrays: tuple, backend, options: dict) -> tuple[Dims, dict, st
     return (dims, options, *_placement(*arrays[:3]))
 
 
+def _graph_node(name: str) -> bool:
+    return bool(getattr(_module(name), "GRAPH_NODE", False))
+
+
 def _reads_partial(name: str) -> bool:
     return bool(getattr(_module(name), "READS_PARTIAL", False))
 
@@ -287,6 +293,7 @@ def consumer(
     partial=None,  # [T, H] bf16 or None: this rank's own partial, read in place of mailbox[rank]
     rank: int = 0,  # the mailbox slot `partial` stands for
     backend: str = "auto",
+    stream_capture: bool = False,
 ) -> ConsumerResult:
     """The O-projection all-reduce consumer: rank sum, prefix update, AttnRes, RMSNorm.
 
@@ -347,6 +354,17 @@ def consumer(
                      (nothing falls back silently); see available_backends(). pallas also
                      refuses GPUs other than compute capability 9.0, cute those other than 9.0
                      and 10.0, triton those below 8.0.
+      stream_capture bool, default False: how a cute or triton call of up to 64 tokens enters
+                     XLA's CUDA graph under jax.jit. False: as a kernel node with programmatic
+                     dependent launch edges to its neighbours, so consecutive consumer calls
+                     overlap (the fastest chain of calls). True: recorded by stream capture,
+                     with no such edges, as every call of more than 64 tokens is; the choice
+                     for a consumer that sits between XLA's own kernels, as in a decode step
+                     (o-proj GEMM, consumer, MoE): there the kernel node's edges slow down the
+                     kernel after it, and a captured call takes the consumer's share per layer
+                     from 5.5 to 5.1 µs (mailbox written) and 4.7 to 4.3 µs (partial=) at one
+                     token on an H100 (docs/perf.md, "The graph"). The same bits either way;
+                     pallas (always captured) and the reference ignore it.
 
     Returns a ConsumerResult (a NamedTuple):
       prefix  [T, H] bf16: the updated residual. GPU kernels alias it to the `prefix` argument:
@@ -370,10 +388,14 @@ def consumer(
     options = dict(eps=eps, out_eps=out_eps, has_delta=has_delta, groups=groups, xmoe_replicas=xmoe_replicas)
     dims, options, platform, devices = _checked_call(arrays, backend, options)
     rank = check_partial(partial, rank, dims)
+    stream_capture = check_bool("stream_capture", stream_capture)
     name = resolve_backend(backend, platform, dims, devices=devices, **options)
     own = None if partial is None else rank
+    captured = stream_capture and _graph_node(name)
     try:
-        return _differentiable(name, tuple(options.items()), own)(*arrays, *(() if partial is None else (partial,)))
+        return _differentiable(name, tuple(options.items()), own, captured)(
+            *arrays, *(() if partial is None else (partial,))
+        )
     except TypeError as err:
         if name == "reference" or "forward-mode autodiff" not in str(err):
             raise
@@ -396,14 +418,16 @@ def _with_partial(arrays: tuple, own: int | None) -> tuple:
 
 
 @functools.lru_cache(maxsize=None)
-def _differentiable(name: str, options: tuple, own: int | None = None):
+def _differentiable(name: str, options: tuple, own: int | None = None, stream_capture: bool = False):
     """Backend `name`'s consumer with these (static) options, differentiable: a jax.custom_vjp
     whose forward is the backend's kernel and whose backward is the VJP of the reference (the
     op is smooth jnp math; the kernels compute the same function, so jax.grad gives the same
     gradients on every backend). The reference itself is returned as plain jnp (every
     transformation works on it, forward-mode jvp included; the kernels' wrapper has no jvp).
-    `own`: the slot of an own partial, the seventh array (None: six arrays)."""
+    `own`: the slot of an own partial, the seventh array (None: six arrays). `stream_capture`:
+    passed to a GRAPH_NODE backend (only where True: the others take no such argument)."""
     options = dict(options)
+    launch = dict(stream_capture=True) if stream_capture else {}
 
     def reference(*arrays):
         return _module("reference").consumer(*_with_partial(arrays, own), **options)
@@ -413,8 +437,8 @@ def _differentiable(name: str, options: tuple, own: int | None = None):
 
     def forward(*arrays):  # looked up per call: the cache holds no stale backend function
         if own is not None and _reads_partial(name):
-            return _module(name).consumer(*arrays[:6], partial=arrays[6], rank=own, **options)
-        return _module(name).consumer(*_with_partial(arrays, own), **options)
+            return _module(name).consumer(*arrays[:6], partial=arrays[6], rank=own, **options, **launch)
+        return _module(name).consumer(*_with_partial(arrays, own), **options, **launch)
 
     @jax.custom_vjp
     def consume(*arrays):

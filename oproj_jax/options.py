@@ -63,7 +63,8 @@ def _check_eps(name: str, value: Any) -> float:
     return float(value)
 
 
-def _check_bool(name: str, value: Any) -> bool:
+def check_bool(name: str, value: Any) -> bool:
+    """`value` as a bool, or a TypeError naming `name` (a traced value: how to keep it static)."""
     _refuse_traced(name, value, "bool")
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
@@ -86,7 +87,7 @@ class Options:
         checked = dict(
             eps=_check_eps("eps", self.eps),
             out_eps=_check_eps("out_eps", self.out_eps),
-            has_delta=_check_bool("has_delta", self.has_delta),
+            has_delta=check_bool("has_delta", self.has_delta),
             groups=_check_int("groups", self.groups, 1, MAX_GROUPS),
             xmoe_replicas=_check_int("xmoe_replicas", self.xmoe_replicas, 0),
         )

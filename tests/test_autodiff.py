@@ -166,6 +166,20 @@ def test_cute_forward_without_grad_keeps_the_in_place_prefix(cute_lowerable):
     assert "tf.aliasing_output" in text or "jax.buffer_donor" in text  # the donated prefix reaches XLA
 
 
+@pytest.mark.slow
+def test_stream_capture_names_the_traced_target(cute_lowerable):
+    """oproj_jax.consumer(stream_capture=True) reaches the kernel: its one call names the
+    target without a record stage (traced into XLA's graph), the default names the record
+    target; the same kernel either way."""
+    H = configs.HIDDEN
+    specs = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((2, 3, H), (3, H), (3, 1, H), (H,), (H,), (H,))]
+    for capture, target in ((False, ffi.LAUNCH_TARGET), (True, ffi.LAUNCH_TRACED_TARGET)):
+        step = jax.jit(functools.partial(oproj_jax.consumer, backend="cute", groups=2, stream_capture=capture))
+        text = step.trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+        calls = [line for line in text.splitlines() if "stablehlo.custom_call @oproj_launch" in line]
+        assert len(calls) == 1 and f"custom_call @{target}(" in calls[0] and 'entry = "ready_entry"' in calls[0]
+
+
 @pytest.fixture
 def kernels_here(monkeypatch):
     """cute and triton as on a Hopper GPU, their forward stood in by the reference (on the CPU

@@ -761,3 +761,31 @@ def test_record_joins_a_chains_run_and_a_decode_run_of_one_device(tmp_path, monk
     other.write_text(json.dumps(dict(records=[dict(header, device="NVIDIA H100")], logs={})))
     with pytest.raises(SystemExit, match="different devices"):
         record.main(["--out-dir", str(tmp_path), "--join", str(a), str(other)])
+
+
+def test_decode_step_times_the_captured_consumer_beside_the_node():
+    """captures=(False, True): each backend's step also with stream_capture=True, its records
+    marked and labelled "+capture" in the log and the table; record.py reads the label back from
+    a log and keeps the two apart when it takes the medians."""
+    from oproj_jax.bench import decode_step as D
+    from oproj_jax.bench import report
+
+    lines = []
+    with jax.default_device(jax.devices("cpu")[0]):
+        records = D.run(
+            ["reference"], [1], layers=2, reps=1, repeats=1, log=lines.append, mailboxes=("carried",), loops=("scan",),
+            figures=False, captures=(False, True),
+        )  # fmt: skip
+    assert [r.get("stream_capture") for r in records] == [None, True]
+    assert ["reference+capture" in line for line in lines] == [False, True]
+    assert "reference+capture" in report.decode_step_table(records, figures=False)
+    record = benchmark_script("record")
+    log = (
+        "decode step T=   1 carried scan     cute         563.9 us/step, without consumer    480.5 -> consumer   5.21 us/layer\n"
+        "decode step T=   1 carried scan     cute+capture 557.5 us/step, without consumer    480.5 -> consumer   4.81 us/layer\n"
+    )
+    node, captured = record.records_from_log(log)
+    assert (node["backend"], node.get("stream_capture")) == ("cute", None)
+    assert (captured["backend"], captured["stream_capture"], captured["us_consumer_per_layer"]) == ("cute", True, 4.81)
+    merged = record.merge_decode([[node, captured], [node, captured]])
+    assert [(r.get("stream_capture"), r["us_consumer_per_layer"]) for r in merged] == [(None, 5.21), (True, 4.81)]

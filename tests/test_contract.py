@@ -253,6 +253,7 @@ BAD = [
     ("xmoe-negative", {}, dict(xmoe_replicas=-1), ValueError, ["xmoe_replicas: expected xmoe_replicas >= 0, got -1"]),
     ("has_delta-int", {}, dict(has_delta=1), TypeError, ["has_delta: expected a bool, got int"]),
     ("eps-nan", {}, dict(eps=float("nan")), ValueError, ["eps: expected a finite epsilon >= 0, got nan"]),
+    ("stream_capture-str", {}, dict(stream_capture="yes"), TypeError, ["stream_capture: expected a bool, got str"]),
 ]
 
 
@@ -262,6 +263,8 @@ def test_bad_input_raises_the_named_error(backend, change, options, error, texts
     """One broken argument: the error names it (the message starts with it), says what was
     expected and what was given, before anything runs; the caller's arrays are unchanged."""
     need(backend)
+    if backend == "torch" and "stream_capture" in options:
+        pytest.skip("stream_capture: how a JAX call enters XLA's graph; the PyTorch model has no such option")
     arrays = {k: v.copy() for k, v in inputs(PRODUCTION).items()}
     for name, how in change.items():
         arrays[name] = arrays[name].astype(how) if not isinstance(how, tuple) else np.zeros(how, bf16)
@@ -322,6 +325,24 @@ def test_own_partial_stands_for_its_slot(backend, rank):
         "read in place" if backend in ("cute", "triton") else "written into a copy of the mailbox first"
     )  # cute: prebuilt
     assert f"partial: stands for mailbox slot {rank}, {how}" in told, told
+
+
+@pytest.mark.parametrize("backend", JAX_BACKENDS)
+def test_stream_capture_computes_the_same_bits(backend):
+    """stream_capture=True under jax.jit (a kernel's call traced into XLA's graph instead of a
+    kernel node; ignored where there is no node): the oracle's result, and bit for bit the
+    default launch's."""
+    need(backend, "jax.jit")
+    arrays = inputs(PRODUCTION)
+    need_support(backend, arrays, PRODUCTION.options())
+    consume = jax_consumer(backend, PRODUCTION)
+    node, captured = (
+        jax.jit(functools.partial(consume, stream_capture=capture))(*device_args(arrays)) for capture in (False, True)
+    )
+    testing.check_result(PRODUCTION, arrays, captured, **EPS)
+    for what, got, want in zip(("prefix", "output", "xmoe"), captured, node):
+        if want is not None:
+            testing.assert_same_bits(got, want, what)
 
 
 def three_steps(backend: str, jax_transform: str):

@@ -515,7 +515,7 @@ def cuda_triton_stand_ins(monkeypatch, tmp_path):
     return compiled
 
 
-def _lowered(variant, T, *, jax_triton=False, vmap=False, own=None):
+def _lowered(variant, T, *, jax_triton=False, vmap=False, own=None, stream_capture=False):
     from oproj_jax.triton import backend
 
     R, NB, H = 16, 8, 7168
@@ -527,8 +527,9 @@ def _lowered(variant, T, *, jax_triton=False, vmap=False, own=None):
     def step(*arrays):
         partial = dict(partial=arrays[6], rank=own) if own is not None else {}
         return backend.launch(
-            *arrays[:6], **partial, **PRODUCTION, variant=variant, compute_capability=90, jax_triton=jax_triton
-        )
+            *arrays[:6], **partial, **PRODUCTION, variant=variant, compute_capability=90, jax_triton=jax_triton,
+            stream_capture=stream_capture,
+        )  # fmt: skip
 
     if vmap:
         step = jax.vmap(step, in_axes=(0, 0, None, None, None, None))
@@ -581,6 +582,15 @@ def library_cache(monkeypatch, tmp_path):
 
 
 LIBRARY_CALL = re.compile(r"stablehlo\.custom_call @(oproj_launch\w*)\((.*?)\) \{.*")
+
+
+def test_stream_capture_names_the_traced_target(library_cache):
+    """stream_capture=True: the same launch through the target without a record stage at a few
+    tokens too (api.consumer's option)."""
+    # 7 tokens: a shape no other test lowers (JAX keeps the traced call of a shape, its cubin path with it)
+    node, captured = (LIBRARY_CALL.findall(_lowered(None, 7, stream_capture=c)) for c in (False, True))
+    assert [name for name, _ in node] == ["oproj_launch"] and [name for name, _ in captured] == ["oproj_launch_traced"]
+    assert node[0][1] == captured[0][1], "the same operands"
 
 
 @pytest.mark.parametrize(

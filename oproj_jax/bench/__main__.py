@@ -119,6 +119,13 @@ def parse_args(argv):
         help="with --decode-step: the layer loops, comma-separated (scan, unrolled; default %(default)s)",
     )
     parser.add_argument(
+        "--decode-capture",
+        choices=("off", "on", "both"),
+        default="off",
+        help="with --decode-step: the consumer with stream_capture=True (on), as a graph node (off, the default), "
+        "or both, each timed against the same step without the consumer (bench/decode_step.py)",
+    )
+    parser.add_argument(
         "--mailboxes",
         default="carried,partial,concat",
         help="with --decode-step: how each layer's mailbox is formed, comma-separated "
@@ -305,6 +312,7 @@ def main(argv=None) -> int:
             profile=args.decode_profile and figures,
             loops=tuple(args.decode_loops.split(",")),
             moe_width=args.moe_width,
+            captures={"off": (False,), "on": (True,), "both": (False, True)}[args.decode_capture],
         )
         print(report.decode_step_table(records, figures=figures))
         if args.json:

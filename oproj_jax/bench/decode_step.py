@@ -26,6 +26,10 @@ would. How the mailbox is formed (`mailbox`, MAILBOXES):
   "update"   others[l] (stacked [R, T, H] per layer) with slot 0 overwritten: XLA copies the
              layer's slice, then writes the slot.
 
+With `captures` containing True the consumer is also timed with stream_capture=True
+(oproj_jax.consumer: the kernel traced into XLA's graph instead of a kernel node), its records
+marked stream_capture and labelled "<backend>+capture".
+
 The layer loop is written two ways: `lax.scan` over stacked per-layer weights, and a Python
 loop (unrolled). Each is timed with the consumer and without it (the rank's own partial passed
 on as the output, the prefix untouched) in the same process, interleaved; the consumer's share
@@ -98,7 +102,7 @@ def make_state(T: int, seed: int = 1) -> tuple[jax.Array, ...]:
     return attn, prefix, mailbox, blocks
 
 
-def layer(backend: str | None, form: str, attn, prefix, mailbox, blocks, w):
+def layer(backend: str | None, form: str, attn, prefix, mailbox, blocks, w, stream_capture: bool = False):
     """One layer (see the module docstring); backend None leaves the consumer out. Returns
     (attn, prefix, mailbox)."""
     partial = jnp.dot(attn, w["w_o"], preferred_element_type=f32).astype(bf16)  # [T, H]
@@ -134,6 +138,7 @@ def layer(backend: str | None, form: str, attn, prefix, mailbox, blocks, w):
             groups=4,
             xmoe_replicas=0,
             backend=backend,
+            stream_capture=stream_capture,
         )
         prefix, output = res.prefix, res.output
     up = jnp.dot(output, w["w_up"], preferred_element_type=f32)
@@ -141,7 +146,7 @@ def layer(backend: str | None, form: str, attn, prefix, mailbox, blocks, w):
     return moe[:, :K], prefix, mailbox
 
 
-def step_fn(backend: str | None, loop: str, layers: int, mailbox: str = "carried"):
+def step_fn(backend: str | None, loop: str, layers: int, mailbox: str = "carried", stream_capture: bool = False):
     """jit(step)(attn, prefix, mailbox, blocks, weights) -> (attn, prefix, mailbox), prefix and
     mailbox donated."""
     if mailbox not in MAILBOXES:
@@ -153,16 +158,16 @@ def step_fn(backend: str | None, loop: str, layers: int, mailbox: str = "carried
         if loop == "scan":
 
             def body(carry, w):
-                return layer(backend, mailbox, *carry, blocks, w), None
+                return layer(backend, mailbox, *carry, blocks, w, stream_capture), None
 
             (attn, prefix, slots), _ = lax.scan(body, (attn, prefix, slots), weights)
         else:
             for i in range(layers):
                 w = jax.tree.map(lambda a: a[i], weights)
-                attn, prefix, slots = layer(backend, mailbox, attn, prefix, slots, blocks, w)
+                attn, prefix, slots = layer(backend, mailbox, attn, prefix, slots, blocks, w, stream_capture)
         return attn, prefix, slots
 
-    step.__name__ = step.__qualname__ = f"decode_{loop}_{backend or 'none'}_{mailbox}"
+    step.__name__ = step.__qualname__ = f"decode_{loop}_{backend or 'none'}_{mailbox}" + "_capture" * stream_capture
     return jax.jit(step, donate_argnums=(1, 2))
 
 
@@ -233,20 +238,23 @@ def run(
     profile: bool = False,
     loops=LOOPS,
     moe_width: int = F,
+    captures=(False,),
 ) -> list[dict]:
     """Records (kind "decode_step") per mailbox form, backend, T and loop form: the step time
     with and without the consumer (medians of `repeats` interleaved measurements of `reps`
     steps each) and the consumer's share per layer; with `profile` (on a GPU), where each
     step's device time goes, kernel by kernel (profile_fields). `moe_width`: the MoE stand-in's
-    width F. figures=False (off a GPU): the steps run, and the records carry no time."""
+    width F. `captures`: the consumer's stream_capture values to time (module docstring).
+    figures=False (off a GPU): the steps run, and the records carry no time."""
     device = getattr(jax.devices()[0], "device_kind", jax.devices()[0].platform)
     records = []
     for T, form in ((T, form) for T in tokens for form in mailboxes):
         weights, state = make_weights(layers, T, form, moe_width=moe_width), make_state(T)
         for loop in loops:
             without = step_fn(None, loop, layers, form)
-            for backend in backends:
-                with_consumer = step_fn(backend, loop, layers, form)
+            for backend, capture in ((b, c) for b in backends for c in captures):
+                with_consumer = step_fn(backend, loop, layers, form, capture)
+                label = backend + "+capture" * capture
                 pairs = [
                     (time_steps(with_consumer, state, weights, reps), time_steps(without, state, weights, reps))
                     for _ in range(repeats)
@@ -254,11 +262,13 @@ def run(
                 shape = dict(
                     backend=backend, loop=loop, mailbox=form, T=T, R=R, NB=NB, layers=layers, moe_width=moe_width
                 )
+                if capture:
+                    shape.update(stream_capture=True)
                 if not figures:
                     records.append(
                         dict(kind="decode_step", **shape, device=device, note="the steps ran; no time off the GPU")
                     )
-                    log(f"decode step T={T:4d} {form:7s} {loop:8s} {backend:9s} ran (no time off the GPU)")
+                    log(f"decode step T={T:4d} {form:7s} {loop:8s} {label:9s} ran (no time off the GPU)")
                     continue
                 t_with = statistics.median(p[0] for p in pairs)
                 t_without = statistics.median(p[1] for p in pairs)
@@ -277,7 +287,7 @@ def run(
                 records.append(record)
                 share = report.time_cell(record["us_consumer_per_layer"], "6.2f")
                 log(
-                    f"decode step T={T:4d} {form:7s} {loop:8s} {backend:9s} {t_with:8.1f} us/step, without consumer "
+                    f"decode step T={T:4d} {form:7s} {loop:8s} {label:9s} {t_with:8.1f} us/step, without consumer "
                     f"{t_without:8.1f} -> consumer {share:>6s} us/layer"
                 )
                 if profile:

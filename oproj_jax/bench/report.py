@@ -150,13 +150,13 @@ def decode_step_table(records: list[dict], figures: bool = True) -> str:
     figures=False (off the GPU): which steps ran, without their times."""
     rows = sorted(
         (r for r in records if r.get("kind") == "decode_step"),
-        key=lambda r: (r["T"], r.get("mailbox", ""), r["loop"], r["backend"]),
+        key=lambda r: (r["T"], r.get("mailbox", ""), r["loop"], r["backend"], bool(r.get("stream_capture"))),
     )
     head = ("backend", "mailbox", "loop", "T")
     if figures:
         head += ("us/step", "us/step w/o", "us consumer/layer")
     table = [head] + [
-        (r["backend"], r.get("mailbox", "concat"), r["loop"], str(r["T"]))
+        (r["backend"] + "+capture" * bool(r.get("stream_capture")), r.get("mailbox", "concat"), r["loop"], str(r["T"]))
         + (
             (
                 time_cell(r["us_step"], ".1f"),

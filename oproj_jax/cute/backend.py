@@ -357,6 +357,7 @@ RECORD_MAX_T = ffi.RECORD_MAX_T
 
 
 READS_PARTIAL = True  # consumer takes partial= and rank= (api.py)
+GRAPH_NODE = True  # a kernel node up to RECORD_MAX_T tokens; consumer takes stream_capture= (api.py)
 
 
 def partial_in_place(dims: Dims, **options) -> bool:
@@ -367,7 +368,7 @@ def partial_in_place(dims: Dims, **options) -> bool:
 
 
 def consumer(
-    mailbox, prefix, blocks, norm, query, out_norm, *, partial=None, rank: int = 0, **options
+    mailbox, prefix, blocks, norm, query, out_norm, *, partial=None, rank: int = 0, stream_capture=False, **options
 ) -> ConsumerResult:
     """The registry entry point (api.consumer has checked the arguments): the kernel in ready
     mode. The mailbox is an ordinary XLA array, complete before the launch, so there is nothing
@@ -375,6 +376,7 @@ def consumer(
     real -0.0 values are harmless, see kernel.py); the prefix is updated in place. `partial`
     [T, H] (or None) stands for slot `rank`: an own variant reads it in place (kernel.py, "Own
     partial"); where none is at hand (partial_in_place) it is written into a copy of the mailbox.
+    `stream_capture`: the traced target at every T (api.consumer says when that is faster).
     Use `consume` for the Lamport protocol."""
     opts = Options.from_kwargs(options)
     dims = Dims(*mailbox.shape[:2], blocks.shape[1], mailbox.shape[2])
@@ -407,7 +409,7 @@ def consumer(
         out_types,
         aliases={1: 0},
         inplace=[(1, 0)],
-        traced=T > RECORD_MAX_T,
+        traced=stream_capture or T > RECORD_MAX_T,
         vmap_method="sequential",
     )
     return ConsumerResult(new_prefix, output, xmoe if opts.xmoe_replicas else None)

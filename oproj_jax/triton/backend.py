@@ -39,6 +39,7 @@ from oproj_jax.triton import plan as launch_plan
 
 INSTALL = "pip install oproj-jax[triton]"
 READS_PARTIAL = True  # consumer takes partial= and rank= (api.py)
+GRAPH_NODE = True  # a kernel node up to library.RECORD_MAX_T tokens; consumer takes stream_capture= (api.py)
 
 
 def unavailable_reason(platform: str) -> str | None:
@@ -89,12 +90,15 @@ def partial_in_place(dims: Dims, **options) -> bool:
 
 
 def consumer(
-    mailbox, prefix, blocks, norm, query, out_norm, *, partial=None, rank: int = 0, **options
+    mailbox, prefix, blocks, norm, query, out_norm, *, partial=None, rank: int = 0, stream_capture=False, **options
 ) -> ConsumerResult:
     """The registry entry point (api.consumer has checked the arguments): `launch` for GPU 0's
     compute capability, the prefix updated in place (aliased); `partial` [T, H] (or None) read
-    in place of mailbox slot `rank`."""
-    return launch(mailbox, prefix, blocks, norm, query, out_norm, partial=partial, rank=rank, **options)
+    in place of mailbox slot `rank`; `stream_capture`: the traced target at every T."""
+    return launch(
+        mailbox, prefix, blocks, norm, query, out_norm, partial=partial, rank=rank, stream_capture=stream_capture,
+        **options,
+    )  # fmt: skip
 
 
 def launch(
@@ -111,6 +115,7 @@ def launch(
     compute_capability=None,
     jax_triton=False,
     pdl=None,
+    stream_capture=False,
     **options,
 ) -> ConsumerResult:
     """`consumer`, compiled for `compute_capability` (e.g. 90; None: GPU 0's). `jax_triton`:
@@ -118,7 +123,9 @@ def launch(
     docstring); it takes no own partial, so there `partial` is written into a copy of the
     mailbox first. `variant`: a name of plan.VARIANTS in place of plan.default_variant's, for
     the tests. `pdl`: the sync kernel launched with programmatic dependent launch; None: through
-    the package's target on sm_90 or newer (jax-triton's launch has no such option)."""
+    the package's target on sm_90 or newer (jax-triton's launch has no such option).
+    `stream_capture`: through the package's traced target at every T (api.consumer says when;
+    jax-triton's launch runs outside XLA's graph either way)."""
     if partial is not None and jax_triton:
         mailbox, partial = reference.with_partial(mailbox, partial, rank), None
     R, T, H = mailbox.shape
@@ -128,7 +135,7 @@ def launch(
     clusters = cc in launch_plan.CLUSTER_CAPABILITIES  # jax-triton's launch sets no clusters
     own = None if partial is None else rank
     plan = launch_plan.make(R, T, blocks.shape[1], H, **options, variant=variant, pdl=pdl, clusters=clusters, own=own)
-    new_prefix, output, xmoe = _call(plan, compute_capability, bool(jax_triton))(
+    new_prefix, output, xmoe = _call(plan, compute_capability, bool(jax_triton), bool(stream_capture))(
         mailbox, prefix, blocks, norm, query, out_norm, *(() if partial is None else (partial,))
     )
     return ConsumerResult(new_prefix, output, xmoe if options["xmoe_replicas"] else None)
@@ -172,14 +179,14 @@ def _via_triton_call(launch: launch_plan.Launch, arrays, out_shape, aliases, zer
 
 
 @functools.lru_cache(maxsize=None)
-def _call(plan: launch_plan.Plan, compute_capability: int | None, jax_triton: bool):
+def _call(plan: launch_plan.Plan, compute_capability: int | None, jax_triton: bool, stream_capture: bool = False):
     """The plan's launch as a function of the six arrays (seven: the own partial last, where the
     plan reads one). The kernels have no batch dimension: under jax.vmap it runs once per batch
     element."""
     reason = launch_reason(jax_triton)
     if reason:
         raise RuntimeError(reason)
-    lower = _via_triton_call if jax_triton else library.lower
+    lower = _via_triton_call if jax_triton else functools.partial(library.lower, stream_capture=stream_capture)
 
     def call(mailbox, prefix, blocks, norm, query, out_norm, *own):
         T, H = prefix.shape

@@ -109,8 +109,11 @@ def check_block(kernel: str, block: int) -> None:
         raise ValueError(f"{kernel}: expected whole warps, 32..1024 threads per program, got {block}")
 
 
-def lower(launch: launch_plan.Launch, arrays, out_shape, aliases, zeroed, compute_capability, after=()):
-    """One launch of `launch` as a call of TARGET (TRACED_TARGET above RECORD_MAX_T tokens): the
+def lower(
+    launch: launch_plan.Launch, arrays, out_shape, aliases, zeroed, compute_capability, after=(), stream_capture=False
+):
+    """One launch of `launch` as a call of TARGET (TRACED_TARGET above RECORD_MAX_T tokens, or at
+    every T with `stream_capture`): the
     results `out_shape` (the first is [T, H] in every launch of plan.py), `aliases` {operand:
     result}; the results in `zeroed` start at zero. The kernel's pointers are `arrays`, the
     results, then `after` (operands the kernel takes after its results: the own partial)."""
@@ -138,5 +141,10 @@ def lower(launch: launch_plan.Launch, arrays, out_shape, aliases, zeroed, comput
     )
     tokens = out_shape[0].shape[0]
     return ffi_launch.call(
-        kernel_launch, operands, out_shape, aliases=aliases, inplace=inplace, traced=tokens > RECORD_MAX_T
+        kernel_launch,
+        operands,
+        out_shape,
+        aliases=aliases,
+        inplace=inplace,
+        traced=stream_capture or tokens > RECORD_MAX_T,
     )
