@@ -102,6 +102,9 @@ def build_decode(args, mesh):
             backend=args.backend,
             has_delta=l % lpb != 0,
             groups=4 if args.mode == "oneshot" else 1,
+            # the consumer sits between XLA's kernels (the gather, the next GEMM): a kernel's call
+            # traced into XLA's graph lets them run at their own speed (oproj_jax.consumer's docstring)
+            stream_capture=True,
         )
         prefix, x = result.prefix, result.output
         if l % lpb == lpb - 1 and blocks.shape[1]:  # the block is complete: it joins the list

@@ -47,7 +47,7 @@ from jax.sharding import PartitionSpec as P
 
 from oproj_jax import api, contract
 from oproj_jax.cute import peer
-from oproj_jax.options import Options, takes_options
+from oproj_jax.options import Options, check_bool, takes_options
 from oproj_jax.reference import rank_sum, to_bf16, without_negative_zero
 
 MODES = ("oneshot", "twoshot", "psum", "peer")
@@ -86,7 +86,9 @@ def _check_ranks(R: int, ranks: int, mode: str, H: int, what: str) -> None:
         raise ValueError(f"{what}: twoshot splits H into R column slices; expected H % R == 0, got H={H}, R={R}")
 
 
-def _plan(mesh, axis_name, mode, backend, opts: Options, dims: contract.Dims, fused: bool, peer_options):
+def _plan(
+    mesh, axis_name, mode, backend, opts: Options, dims: contract.Dims, fused: bool, peer_options, stream_capture=False
+):
     """Resolves the backend for one rank's view on the mesh's platform (eagerly, so "auto" and
     errors follow the mesh's devices, not JAX's default backend) and returns the jitted layout."""
     if mode == "peer":
@@ -97,7 +99,7 @@ def _plan(mesh, axis_name, mode, backend, opts: Options, dims: contract.Dims, fu
     view = dims._replace(R=dims.R if mode == "oneshot" else 1)  # each rank's mailbox
     platform = mesh.devices.flat[0].platform
     name = api.resolve_backend(backend, platform, view, **opts.asdict())
-    return _sharded(mesh, axis_name, mode, name, opts, fused, dims.NB == 0)
+    return _sharded(mesh, axis_name, mode, name, opts, fused, dims.NB == 0, stream_capture=stream_capture)
 
 
 def _peer_plan(mesh, axis_name, backend, opts: Options, dims: contract.Dims, options):
@@ -146,16 +148,22 @@ def _tp_call(
     mode: str = "oneshot",
     backend: str = "auto",
     peer_options: peer.PeerOptions | None = None,  # mode="peer" only
+    stream_capture: bool = False,  # api.consumer's; not mode="peer"
     **options,
 ) -> contract.ConsumerResult | peer.PeerResult:
     """tp_consumer and tp_oproj_consumer: the checks, the layout (cached) and the call."""
     fused = len(producer) == 2
     ranks = _check_layout(mesh, axis_name, mode, backend, peer_options)
+    if check_bool("stream_capture", stream_capture) and mode == "peer":
+        raise ValueError(
+            "stream_capture: mode='peer' runs its own FFI call (publish and consume), which enters XLA's graph as a "
+            "kernel node; stream_capture=True applies to modes 'oneshot', 'twoshot' and 'psum'"
+        )
     opts = Options.from_kwargs(options)
     partial = _fused_partial(*producer, ranks) if fused else producer[0]
     dims = contract.check_arguments(partial, prefix, blocks, norm, query, out_norm, **opts.asdict())
     _check_ranks(dims.R, ranks, mode, dims.H, "w_o" if fused else "partial")
-    fn = _plan(mesh, axis_name, mode, backend, opts, dims, fused, peer_options)
+    fn = _plan(mesh, axis_name, mode, backend, opts, dims, fused, peer_options, bool(stream_capture))
     result = fn(*producer, prefix, norm, query, out_norm, *(() if dims.NB == 0 else (blocks,)))
     return _checked(result, mode, producer[0])
 
@@ -179,7 +187,9 @@ def tp_consumer(
 ) -> contract.ConsumerResult | peer.PeerResult:
     """The consumer over a TP group: each rank holds its partial o-projection; see MODES above.
     Keywords: the layout (`mesh`, `axis_name`, `mode`, `backend`; `peer_options` for mode="peer"
-    only) and the options, as api.consumer.
+    only), `stream_capture` (api.consumer's: each rank's consumer call traced into XLA's graph,
+    the choice between XLA's kernels in a decode step; not with mode="peer", which raises) and
+    the options, as api.consumer.
 
     Returns a ConsumerResult of replicated arrays (prefix [T, H], output [T, H], xmoe
     [reps, T, H] or None); for "oneshot", "twoshot" and "peer" every rank holds the same bits.
@@ -238,10 +248,10 @@ def _mailbox(mine, axis_name: str, mode: str, ranks: int):  # [1, T, H] bf16, pu
 
 
 @functools.lru_cache(maxsize=64)
-def _sharded(mesh, axis_name, mode, backend, options, fused, no_blocks, peer_plan=None):
+def _sharded(mesh, axis_name, mode, backend, options, fused, no_blocks, peer_plan=None, stream_capture=False):
     """The jitted shard_map for one static layout (cached: eager calls do not retrace);
     `backend` is resolved (a registry name), `options` the consumer's (an Options),
-    `peer_plan` (mode="peer") the group table and the PeerOptions.
+    `peer_plan` (mode="peer") the group table and the PeerOptions, `stream_capture` api.consumer's.
 
     Arguments: the producer's (partial, or attn and w_o), then prefix, norm, query, out_norm,
     then blocks unless `no_blocks`: with NB = 0 the empty [T, 0, H] blocks are made inside,
@@ -258,7 +268,10 @@ def _sharded(mesh, axis_name, mode, backend, options, fused, no_blocks, peer_pla
                 mine[0], prefix, blocks, norm, query, out_norm, table=table, options=peer_options, **consume_opts
             )
         mailbox = _mailbox(without_negative_zero(mine), axis_name, mode, ranks)  # published, then moved
-        return api.consumer(mailbox, prefix, blocks, norm, query, out_norm, backend=backend, **consume_opts)
+        return api.consumer(
+            mailbox, prefix, blocks, norm, query, out_norm, backend=backend, stream_capture=stream_capture,
+            **consume_opts,
+        )  # fmt: skip
 
     replicated = (P(),) * (4 if no_blocks else 5)
     if fused:

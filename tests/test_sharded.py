@@ -191,6 +191,19 @@ def test_a_kernel_backend_runs_sharded(mode):
     _check_output(got, x, cfg.options())
 
 
+def test_stream_capture_reaches_every_ranks_consumer(mesh, monkeypatch):
+    """stream_capture=True is handed to api.consumer on each rank's view (the kernels' launch
+    choice; the reference has no launch to change): the same bits as the reference."""
+    seen, consumer = [], api.consumer
+    # the layer passes the keyword on every call (the reference check below calls without it)
+    monkeypatch.setattr(api, "consumer", lambda *a, **k: seen.append(k.get("stream_capture")) or consumer(*a, **k))
+    cfg = configs.Config(TP, 1, 1, groups=2, H=SMALL_H)
+    x = configs.make_inputs(cfg, seed=5)
+    got = tp_consumer(x["mailbox"], *_args(x), mesh=mesh, backend="reference", stream_capture=True, **cfg.options())
+    assert seen[0] is True and set(seen) <= {True, None}
+    _check_bit_exact(got, _reference(x["mailbox"], x, cfg, 2))
+
+
 # ---- the fused producer + consumer ----------------------------------------------------------
 
 K_PER_RANK = 16  # heads*head_dim / R; small so that every rank's f32 dot is exact (below)
@@ -319,6 +332,7 @@ def _small(R=TP, H=SMALL_H):
         (dict(groups=5), r"groups: expected 1 <= groups <= 4, got 5"),
         (dict(backend="cuda"), r"backend: expected one of"),
         (dict(backend="cute"), r"backend='cute' cannot run here: .*'cpu'"),
+        (dict(mode="peer", stream_capture=True), r"stream_capture: mode='peer' runs its own FFI call"),
     ],
 )
 def test_tp_consumer_bad_input(mesh, change, match):
@@ -336,6 +350,8 @@ def test_tp_consumer_bad_types(mesh):
         tp_consumer(x["mailbox"], *_args(x), mesh=mesh, twoshot=True)
     with pytest.raises(TypeError, match=r"mesh: expected a jax.sharding.Mesh"):
         tp_consumer(x["mailbox"], *_args(x), mesh=jax.devices())
+    with pytest.raises(TypeError, match=r"stream_capture: expected a bool, got str"):
+        tp_consumer(x["mailbox"], *_args(x), mesh=mesh, stream_capture="yes")
 
 
 def test_tp_oproj_consumer_bad_input(mesh):
