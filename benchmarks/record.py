@@ -342,13 +342,8 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--decode-mailboxes", default="carried,partial", help="the decode step's mailbox forms (bench --mailboxes)"
     )
-    parser.add_argument(
-        "--decode-capture",
-        choices=("off", "on", "both"),
-        default="both",
-        help="the decode step's consumer as a graph node (off), with stream_capture=True (on) or both "
-        "(bench --decode-capture; default %(default)s)",
-    )
+    capture = "the decode step's consumer as a graph node (off), with stream_capture=True (on) or both (bench)"
+    parser.add_argument("--decode-capture", choices=("off", "on", "both"), default="both", help=capture)
     parser.add_argument(
         "--decode-timeout", type=float, default=None, help="seconds per decode process (default --timeout)"
     )
