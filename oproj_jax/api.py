@@ -25,6 +25,7 @@ import warnings
 
 import jax
 
+from oproj_jax import ffi
 from oproj_jax.contract import ConsumerResult, Dims, check_arguments, check_partial
 from oproj_jax.cute import manifest as cute_manifest
 from oproj_jax.options import DEFAULTS, Options, check_bool, takes_options
@@ -218,6 +219,15 @@ def _checked_call(arrays: tuple, backend, options: dict) -> tuple[Dims, dict, st
     return (dims, options, *_placement(*arrays[:3]))
 
 
+def _graph_entry(T: int, stream_capture: bool) -> str:
+    """How a GRAPH_NODE backend's call of T tokens enters XLA's CUDA graph (explain's line)."""
+    if stream_capture:
+        return "traced into XLA's CUDA graph by stream capture (stream_capture=True)"
+    if T > ffi.RECORD_MAX_T:
+        return f"traced into XLA's CUDA graph by stream capture (more than {ffi.RECORD_MAX_T} tokens)"
+    return "a kernel node of XLA's CUDA graph with programmatic launch edges (stream_capture=True traces it instead)"
+
+
 def _graph_node(name: str) -> bool:
     return bool(getattr(_module(name), "GRAPH_NODE", False))
 
@@ -232,14 +242,27 @@ def _partial_in_place(name: str, dims: Dims, options: dict) -> bool:
 
 @takes_options()
 def explain(
-    mailbox, prefix, blocks, norm, query, out_norm, *, partial=None, rank: int = 0, backend: str = "auto", **options
+    mailbox,
+    prefix,
+    blocks,
+    norm,
+    query,
+    out_norm,
+    *,
+    partial=None,
+    rank: int = 0,
+    backend: str = "auto",
+    stream_capture: bool = False,
+    **options,
 ) -> str:
-    """Which backend `consumer(...)` with these arguments runs, and why each other one does not:
-    a few lines of text, nothing traced or run. Takes what consumer takes (arrays, or
-    jax.ShapeDtypeStruct for the default device); raises what consumer raises for bad arguments,
-    but reports (does not raise) a named backend that cannot run."""
+    """Which backend `consumer(...)` with these arguments runs, and why each other one does not,
+    and how its call enters XLA's graph: a few lines of text, nothing traced or run. Takes what
+    consumer takes (arrays, or jax.ShapeDtypeStruct for the default device); raises what
+    consumer raises for bad arguments, but reports (does not raise) a named backend that cannot
+    run."""
     dims, options, platform, devices = _checked_call((mailbox, prefix, blocks, norm, query, out_norm), backend, options)
     rank = check_partial(partial, rank, dims)
+    stream_capture = check_bool("stream_capture", stream_capture)
     shown = devices if devices is not None else _platform_devices(platform)
     name, reasons = choose_backend(backend, platform, dims, devices=devices, **options)
     capabilities = sorted({str(getattr(d, "compute_capability", "-")) for d in shown})
@@ -260,6 +283,8 @@ def explain(
             in_place = _partial_in_place(name, dims, options)
             how = "read in place" if in_place else "written into a copy of the mailbox first"
             lines.append(f"  partial: stands for mailbox slot {rank}, {how}")
+        if _graph_node(name):
+            lines.append(f"  launch under jax.jit: {_graph_entry(dims.T, stream_capture)}")
         opt_in = sorted({str(c) for c in capabilities if _cute_opt_in(c)}) if _is_gpu(platform) else []
         if name == "cute" and opt_in:
             lines.append(

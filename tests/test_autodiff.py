@@ -178,6 +178,8 @@ def test_stream_capture_names_the_traced_target(cute_lowerable):
         text = step.trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
         calls = [line for line in text.splitlines() if "stablehlo.custom_call @oproj_launch" in line]
         assert len(calls) == 1 and f"custom_call @{target}(" in calls[0] and 'entry = "ready_entry"' in calls[0]
+        told = oproj_jax.explain(*specs, backend="cute", groups=2, stream_capture=capture)
+        assert ("by stream capture (stream_capture=True)" if capture else "a kernel node of XLA's CUDA graph") in told
 
 
 @pytest.fixture
