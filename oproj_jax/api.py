@@ -388,7 +388,7 @@ def consumer(
                      (o-proj GEMM, consumer, MoE): there the kernel node's edges slow down the
                      kernel after it, and a captured call takes the consumer's share per layer
                      from 5.5 to 5.1 µs (mailbox written) and 4.7 to 4.3 µs (partial=) at one
-                     token on an H100 (docs/perf.md, "The graph"). The same bits either way;
+                     token on an H100 (docs/perf.md, "The consumer's node"). The same bits either way;
                      pallas (always captured) and the reference ignore it.
 
     Returns a ConsumerResult (a NamedTuple):
