@@ -154,7 +154,8 @@ def _tp_call(
     """tp_consumer and tp_oproj_consumer: the checks, the layout (cached) and the call."""
     fused = len(producer) == 2
     ranks = _check_layout(mesh, axis_name, mode, backend, peer_options)
-    if check_bool("stream_capture", stream_capture) and mode == "peer":
+    stream_capture = check_bool("stream_capture", stream_capture)
+    if stream_capture and mode == "peer":
         raise ValueError(
             "stream_capture: mode='peer' runs its own FFI call (publish and consume), which enters XLA's graph as a "
             "kernel node; stream_capture=True applies to modes 'oneshot', 'twoshot' and 'psum'"
@@ -163,7 +164,7 @@ def _tp_call(
     partial = _fused_partial(*producer, ranks) if fused else producer[0]
     dims = contract.check_arguments(partial, prefix, blocks, norm, query, out_norm, **opts.asdict())
     _check_ranks(dims.R, ranks, mode, dims.H, "w_o" if fused else "partial")
-    fn = _plan(mesh, axis_name, mode, backend, opts, dims, fused, peer_options, bool(stream_capture))
+    fn = _plan(mesh, axis_name, mode, backend, opts, dims, fused, peer_options, stream_capture)
     result = fn(*producer, prefix, norm, query, out_norm, *(() if dims.NB == 0 else (blocks,)))
     return _checked(result, mode, producer[0])
 

@@ -254,7 +254,6 @@ def run(
             without = step_fn(None, loop, layers, form)
             for backend, capture in ((b, c) for b in backends for c in captures):
                 with_consumer = step_fn(backend, loop, layers, form, capture)
-                label = backend + "+capture" * capture
                 pairs = [
                     (time_steps(with_consumer, state, weights, reps), time_steps(without, state, weights, reps))
                     for _ in range(repeats)
@@ -264,6 +263,7 @@ def run(
                 )
                 if capture:
                     shape.update(stream_capture=True)
+                label = report.decode_label(shape)
                 if not figures:
                     records.append(
                         dict(kind="decode_step", **shape, device=device, note="the steps ran; no time off the GPU")

@@ -145,6 +145,12 @@ def _render(table: list[tuple[str, ...]]) -> list[str]:
     return lines
 
 
+def decode_label(record: dict) -> str:
+    """A decode-step record's backend as logged and shown: "<backend>+capture" where the consumer
+    ran with stream_capture=True."""
+    return record["backend"] + "+capture" * bool(record.get("stream_capture"))
+
+
 def decode_step_table(records: list[dict], figures: bool = True) -> str:
     """The decode-step records: step time with and without the consumer, its share per layer;
     figures=False (off the GPU): which steps ran, without their times."""
@@ -156,7 +162,7 @@ def decode_step_table(records: list[dict], figures: bool = True) -> str:
     if figures:
         head += ("us/step", "us/step w/o", "us consumer/layer")
     table = [head] + [
-        (r["backend"] + "+capture" * bool(r.get("stream_capture")), r.get("mailbox", "concat"), r["loop"], str(r["T"]))
+        (decode_label(r), r.get("mailbox", "concat"), r["loop"], str(r["T"]))
         + (
             (
                 time_cell(r["us_step"], ".1f"),

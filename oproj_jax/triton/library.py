@@ -113,10 +113,10 @@ def lower(
     launch: launch_plan.Launch, arrays, out_shape, aliases, zeroed, compute_capability, after=(), stream_capture=False
 ):
     """One launch of `launch` as a call of TARGET (TRACED_TARGET above RECORD_MAX_T tokens, or at
-    every T with `stream_capture`): the
-    results `out_shape` (the first is [T, H] in every launch of plan.py), `aliases` {operand:
-    result}; the results in `zeroed` start at zero. The kernel's pointers are `arrays`, the
-    results, then `after` (operands the kernel takes after its results: the own partial)."""
+    every T with `stream_capture`): the results `out_shape` (the first is [T, H] in every launch
+    of plan.py), `aliases` {operand: result}; the results in `zeroed` start at zero. The kernel's
+    pointers are `arrays`, the results, then `after` (operands the kernel takes after its
+    results: the own partial)."""
     cc = capability(compute_capability)
     types = tuple(POINTER_TYPES[np.dtype(x.dtype)] for x in (*arrays, *out_shape, *after))
     image = compile_launch(launch, types, cc)
