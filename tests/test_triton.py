@@ -371,8 +371,8 @@ def test_cluster_configuration_sends_its_records_to_the_peers_barriers(tmp_path,
     clustered = plan.make(16, 3, 8, 7168, **PRODUCTION, variant=variant, clusters=True)
     launch = clustered.launch
     assert launch.cluster == 7 and launch.grid == (7, 3) and dict(launch.constexprs)["CLUSTER"] is True
-    assert launch.exchange == 7 * (2 * 8 + 3) * 4 + 4 + 16  # the records to 8 bytes, two barriers
-    assert clustered.arrivals_shape is None and clustered.stats_shape == (3, 7, 2 * 8 + 3)
+    assert launch.exchange == 7 * (2 * 8 + 4) * 4 + 16  # the records (16-byte words), two barriers
+    assert clustered.arrivals_shape is None and clustered.stats_shape == (3, 7, 2 * 8 + 4)
     ptx = _compile_sm90(launch).asm["ptx"]
     assert ptx.count("mbarrier.init.shared::cta.b64") == 2 and ptx.count("mbarrier.arrive.expect_tx") == 2
     assert ptx.index("fence.mbarrier_init.release.cluster") < ptx.index("barrier.cluster.arrive.relaxed.aligned")
@@ -629,10 +629,10 @@ def test_library_lowering_names_a_stored_cubin_and_its_parameters(library_cache,
     assert attrs["block"] == (32 * launch.num_warps, 1, 1)
     assert attrs["cluster"] == ((launch.cluster, 1, 1) if launch.cluster else (0, 0, 0))
     assert launch.cluster == {None: 7, "sync-2048-w8-cluster": 4}.get(variant, 0), "sm_90: clusters"
-    # the records, from an 8-byte boundary, and two 8-byte barriers
-    assert launch.exchange == (-(-launch.cluster * (2 * 8 + 3) * 4 // 8) * 8 + 16 if launch.cluster else 0)
+    # the records (whole 16-byte words) and two 8-byte barriers
+    assert launch.exchange == (launch.cluster * (2 * 8 + 4) * 4 + 16 if launch.cluster else 0)
     assert attrs["smem"] >= launch.exchange, "the cluster's exchange past Triton's shared memory"
-    assert attrs["smem"] % 8 == 0, "the exchange's barriers 8-byte aligned from the end"
+    assert attrs["smem"] % 16 == 0, "the exchange's records 16-byte aligned from the end"
     assert attrs["grid"] == (*launch.grid, 1, 1)[:3]
     n_in = operands.count("%")
     zeroed = launch.kernel == "sync_kernel" and not launch.cluster
@@ -800,8 +800,8 @@ def test_plan_shapes():
     sync = plan.make(16, 3, 8, 7168, **PRODUCTION, variant="sync-512-w4")
     whole = sync.launch
     assert whole.kernel == "sync_kernel" and whole.grid == (14, 3) and whole.num_warps == 4  # chunks fastest
-    assert sync.stats_shape == (3, 14, 2 * 8 + 3) and sync.arrivals_shape == (3, 2)
-    assert dict(whole.constexprs)["PHASE"] == 0 and dict(whole.constexprs)["SPAN"] == 16
+    assert sync.stats_shape == (3, 14, 2 * 8 + 4) and sync.arrivals_shape == (3, 2)
+    assert dict(whole.constexprs)["PHASE"] == 0 and dict(whole.constexprs)["CHUNKS"] == 14
     assert dict(plan.make(16, 3, 3, 7168, **PRODUCTION, variant="sync-512-w4").launch.constexprs)["ROWS"] == 4
     assert [dict(h.constexprs)["PHASE"] for h in sync.stages()] == [1, 2, 3]
     assert {h.grid for h in sync.stages()} == {whole.grid}

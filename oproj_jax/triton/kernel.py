@@ -461,10 +461,14 @@ def _at_end(registers: str, body: str) -> tl.constexpr:
     return tl.constexpr(f"{{ .reg .u32 xb, xs, xe; {registers}\n\t{prologue}\n\t{body} }}")
 
 
-_GET = _at_end(
-    ".reg .u32 xa; .reg .pred xp;",
-    "add.u32 xa, xe, $1; setp.ne.s32 xp, $2, 0; mov.f32 $0, 0f00000000; @xp ld.shared.f32 $0, [xa];",
-)
+def _get(n: int) -> tl.constexpr:
+    """Inline PTX: n = 1, 2 or 4 consecutive f32 ($0 ..) at byte $n from the exchange's end."""
+    values = ", ".join(f"${i}" for i in range(n))
+    load = f"ld.shared.v{n}.f32 {{{values}}}" if n > 1 else f"ld.shared.f32 {values}"
+    return _at_end(".reg .u32 xa;", f"add.u32 xa, xe, ${n}; {load}, [xa];")
+
+
+_GET1, _GET2, _GET4 = _get(1), _get(2), _get(4)
 _INIT = _at_end(
     ".reg .u32 xa, xt; .reg .b64 xz; .reg .pred xp;",
     """add.u32 xa, xe, $1;
@@ -509,9 +513,17 @@ _ARRIVED = _at_end(
 
 
 @triton.jit
-def _exchange_get(offset, ok):
-    """The f32 at byte `offset` from the end of this program's exchange, 0.0 where `ok` is zero."""
-    return tl.inline_asm_elementwise(_GET, "=f,r,r", [offset, ok], dtype=tl.float32, is_pure=False, pack=1)
+def _exchange_get(offset, N: tl.constexpr):
+    """The N = 1, 2 or 4 f32 (a tuple) at byte `offset` from the end of this program's exchange,
+    one load (offset a multiple of 4 * N)."""
+    if N == 4:
+        return tl.inline_asm_elementwise(
+            _GET4, "=f,=f,=f,=f,r", [offset], (tl.float32, tl.float32, tl.float32, tl.float32), is_pure=False, pack=1
+        )
+    elif N == 2:
+        return tl.inline_asm_elementwise(_GET2, "=f,=f,r", [offset], (tl.float32, tl.float32), is_pure=False, pack=1)
+    else:
+        return (tl.inline_asm_elementwise(_GET1, "=f,r", [offset], tl.float32, is_pure=False, pack=1),)
 
 
 @triton.jit
@@ -570,17 +582,35 @@ def _exchange(c, bar, LANE0: tl.constexpr, LANES: tl.constexpr, CHUNKS: tl.const
 
 
 @triton.jit
-def _records(stats, t, k, lanes, mask, CLUSTER: tl.constexpr, CHUNKS: tl.constexpr, RECORD: tl.constexpr):
-    """Lanes `lanes` of token t's records `k` as a [len(k), len(lanes)] f32 tile, 0.0 where not
-    `mask`: from global memory (L2, where the other programs stored them), or (CLUSTER) from this
-    program's exchange."""
+def _lanes(stats, t, k, lane, N: tl.constexpr, CLUSTER: tl.constexpr, CHUNKS: tl.constexpr, RECORD: tl.constexpr):
+    """Lanes `lane` .. `lane` + N - 1 of token t's record k, a tuple of N f32 that every thread
+    reads: from global memory (L2, where the other programs stored them), or (CLUSTER) from this
+    program's exchange, one load of N lanes (a record is a whole number of 16-byte words,
+    plan.record_lanes)."""
     if CLUSTER:
-        offset = (k[:, None] * RECORD + lanes[None, :] - CHUNKS * RECORD) * 4
-        return _exchange_get(offset, mask.to(tl.int32))
+        return _exchange_get((k * RECORD + lane - CHUNKS * RECORD) * 4, N)
     else:
-        rows = stats + (t * CHUNKS + k)[:, None] * RECORD + lanes[None, :]
-        # .cg: from L2, where the other programs' stores are (never a line this SM cached).
-        return tl.load(rows, mask=mask, other=0.0, cache_modifier=".cg")
+        values = ()
+        for i in tl.static_range(N):
+            # .cg: from L2, where the other programs' stores are (never a line this SM cached).
+            values = values + (tl.load(stats + (t * CHUNKS + k) * RECORD + lane + i, cache_modifier=".cg"),)
+        return values
+
+
+@triton.jit
+def _lane_sums(stats, t, lane, N: tl.constexpr, CLUSTER: tl.constexpr, CHUNKS: tl.constexpr, RECORD: tl.constexpr):
+    """Lanes `lane` .. `lane` + N - 1 of token t's CHUNKS records, each added over the chunks in
+    chunk order, in every thread (a tuple of N f32): no reduction across threads, and every
+    program of the token (either path) adds the same values in the same order, so all of them get
+    the same bits."""
+    sums = _lanes(stats, t, 0, lane, N, CLUSTER, CHUNKS, RECORD)
+    for k in tl.static_range(1, CHUNKS):
+        more = _lanes(stats, t, k, lane, N, CLUSTER, CHUNKS, RECORD)
+        added = ()
+        for i in tl.static_range(N):
+            added = added + (sums[i] + more[i],)
+        sums = added
+    return sums
 
 
 @triton.jit
@@ -631,23 +661,6 @@ def _arrive_and_wait(counter, CHUNKS: tl.constexpr, POLLS: tl.constexpr):
 
 
 @triton.jit
-def _token_sum(stats, t, lanes, CLUSTER: tl.constexpr, CHUNKS: tl.constexpr, SPAN: tl.constexpr,
-               RECORD: tl.constexpr):  # fmt: skip
-    """Lanes `lanes` of token t's CHUNKS records (SPAN: CHUNKS rounded up to a power of two),
-    added over the chunks: every program of the token runs this same code on the same records,
-    so all of them get the same bits."""
-    k = tl.arange(0, SPAN)
-    return tl.sum(
-        _records(stats, t, k, lanes, (k < CHUNKS)[:, None] & (lanes >= 0)[None, :], CLUSTER, CHUNKS, RECORD), axis=0
-    )
-
-
-@triton.jit
-def _add3(a0, a1, a2, b0, b1, b2):
-    return a0 + b0, a1 + b1, a2 + b2
-
-
-@triton.jit
 def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
     return a0 + b0, a1 + b1, a2 + b2, a3 + b3
 
@@ -655,34 +668,37 @@ def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
 @triton.jit
 def _sync_weights(
     stats, t, NB: tl.constexpr, H: tl.constexpr, EPS: tl.constexpr, ROWS: tl.constexpr,
-    CHUNKS: tl.constexpr, SPAN: tl.constexpr, RECORD: tl.constexpr, CLUSTER: tl.constexpr,
+    CHUNKS: tl.constexpr, RECORD: tl.constexpr, CLUSTER: tl.constexpr,
 ):  # fmt: skip
-    """The softmax weights of token t's blocks ([ROWS]) and of its new prefix p, from its
-    records' dot products and squares."""
+    """The softmax weights of token t's blocks ([ROWS], padding rows 0) and of its new prefix p,
+    from its records' dot products and squares: scalars in every thread (_lane_sums), so the
+    weights need no reduction and no exchange between threads; the tile of weights is put
+    together from them where it is used."""
+    sums = ()
+    for lane in tl.static_range(0, 2 * ROWS, 4):  # the dots, then the squares, four lanes a load
+        sums = sums + _lane_sums(stats, t, lane, 4, CLUSTER, CHUNKS, RECORD)
+    # p.w and p.p, two lanes a load: no load reaches y.y's lane, which a peer may be sending already
+    p_dot, p_square = _lane_sums(stats, t, 2 * ROWS, 2, CLUSTER, CHUNKS, RECORD)
+    logit_p = p_dot * tl.rsqrt(p_square / H + EPS)
+    logits = ()
+    top = logit_p
+    for i in tl.static_range(NB):
+        logit = sums[i] * tl.rsqrt(sums[ROWS + i] / H + EPS)
+        logits = logits + (logit,)
+        top = tl.maximum(top, logit)
+    e_p = tl.exp(logit_p - top)  # a NaN logit reaches the denominator: every weight is NaN
+    es = ()
+    for i in tl.static_range(NB):
+        es = es + (tl.exp(logits[i] - top),)
+    den = es[0]
+    for i in tl.static_range(1, NB):
+        den = den + es[i]
+    den = den + e_p
     j = tl.arange(0, ROWS)
-    real = j < NB
-    # one load of the three tiles ([SPAN, ROWS] each; p.w and p.p in lanes 0 and 1 of the third,
-    # so ROWS >= 2) and one reduction of them
-    k = tl.arange(0, SPAN)
-    chunk = (k < CHUNKS)[:, None]
-    dots, squares, mine = tl.reduce(
-        (
-            _records(stats, t, k, j, chunk & real[None, :], CLUSTER, CHUNKS, RECORD),
-            _records(stats, t, k, ROWS + j, chunk & real[None, :], CLUSTER, CHUNKS, RECORD),
-            _records(stats, t, k, 2 * ROWS + j, chunk & (j < 2)[None, :], CLUSTER, CHUNKS, RECORD),
-        ),
-        0,
-        _add3,
-    )
-    p_dot = tl.sum(tl.where(j == 0, mine, 0.0), axis=0)
-    p_square = tl.sum(tl.where(j == 1, mine, 0.0), axis=0)
-    logits = tl.where(real, dots * tl.rsqrt(squares / H + EPS), float("-inf"))
-    logit = p_dot * tl.rsqrt(p_square / H + EPS)
-    top = tl.maximum(tl.max(logits, axis=0), logit)
-    e = tl.exp(logits - top)
-    e_p = tl.exp(logit - top)  # a NaN logit reaches the denominator: every weight is NaN
-    den = tl.sum(e, axis=0) + e_p
-    return e / den, e_p / den
+    alpha = tl.zeros([ROWS], tl.float32)
+    for i in tl.static_range(NB):
+        alpha = tl.where(j == i, es[i] / den, alpha)
+    return alpha, e_p / den
 
 
 @triton.jit
@@ -763,7 +779,6 @@ def sync_kernel(
     BLOCK: tl.constexpr,
     ROWS: tl.constexpr,
     CHUNKS: tl.constexpr,
-    SPAN: tl.constexpr,
     RECORD: tl.constexpr,
     EXCHANGE: tl.constexpr,
     POLLS: tl.constexpr,
@@ -778,9 +793,9 @@ def sync_kernel(
 ):
     """Grid (C, T): chunk c of token t, its blocks as a [ROWS, BLOCK] tile and its new prefix p
     held in registers throughout (RELOAD: the blocks read again after barrier 1 instead).
-    `stats` holds a record of RECORD = 2 * ROWS + 3 f32 lanes per chunk (plan.record_lanes): the blocks' dots
+    `stats` holds a record of RECORD = 2 * ROWS + 4 f32 lanes per chunk (plan.record_lanes): the blocks' dots
     b_j.w (lanes j) and squares b_j.b_j (ROWS + j), p.w and p.p (2 * ROWS, 2 * ROWS + 1), y.y (2 * ROWS + 2), over
-    the chunk's columns; `arrivals` ([T, 2] int32) the
+    the chunk's columns, and one lane of padding; `arrivals` ([T, 2] int32) the
     two barriers' arrival counters, zero at launch (and at exit). The weights need every chunk's dots and
     squares (barrier 1), the output scale every chunk's y.y (barrier 2).
 
@@ -821,7 +836,7 @@ def sync_kernel(
         tl_cuda.gdc_wait()
         tl_cuda.gdc_launch_dependents()
     BARS: tl.constexpr = -EXCHANGE  # the exchange's two transaction barriers, at its start
-    YY: tl.constexpr = RECORD - 1  # y.y's lane, the record's last: the first meeting sends the YY before it
+    YY: tl.constexpr = 2 * ROWS + 2  # y.y's lane: the first meeting sends the YY before it
     c = tl.program_id(0)
     if CLUSTER:
         # the two meetings' bytes from the C - 1 peers: YY lanes, then y.y
@@ -903,7 +918,7 @@ def sync_kernel(
         if NB == 0:
             y = p  # one source: its weight is exactly 1 (docs/spec.md)
         else:
-            alpha, alpha_p = _sync_weights(stats, t, NB, H, EPS, ROWS, CHUNKS, SPAN, RECORD, CLUSTER)
+            alpha, alpha_p = _sync_weights(stats, t, NB, H, EPS, ROWS, CHUNKS, RECORD, CLUSTER)
             if RELOAD:
                 # The same bits again, from L1 or L2 where the first read left them: the tile is not
                 # held across the barrier, so a thread needs fewer registers and more programs
@@ -924,8 +939,7 @@ def sync_kernel(
         else:
             _arrive_and_wait(arrivals + 2 * t + 1, CHUNKS, POLLS)
     if PHASE == 0 or PHASE == 3:
-        lane = YY + tl.arange(0, 1)
-        yy = tl.sum(_token_sum(stats, t, lane, CLUSTER, CHUNKS, SPAN, RECORD), axis=0)
+        (yy,) = _lane_sums(stats, t, YY, 1, CLUSTER, CHUNKS, RECORD)
         if PHASE == 0 and not RELOAD:
             on = _widen(on_early)
         else:

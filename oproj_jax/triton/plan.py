@@ -242,9 +242,9 @@ class Launch:
 
     def dynamic_smem(self, shared: int) -> int:
         """The launch's dynamic shared memory where the compiled kernel uses `shared` bytes: those,
-        to an 8-byte boundary (the exchange's barriers are 8-byte words, addressed from the end),
-        then the exchange."""
-        return -(-shared // 8) * 8 + self.exchange if self.exchange else shared
+        to a 16-byte boundary (the exchange, addressed from the end, has 8-byte barriers and
+        records read 16 bytes at a time), then the exchange."""
+        return -(-shared // 16) * 16 + self.exchange if self.exchange else shared
 
     def options(self) -> dict:
         """The compile options both launchers pass (their defaults differ otherwise)."""
@@ -278,14 +278,15 @@ class Plan:
 
 def record_lanes(rows: int) -> int:
     """The f32 lanes of a sync program's record (kernel.sync_kernel): the blocks' dots and
-    squares (rows each), p.w, p.p and y.y."""
-    return 2 * rows + 3
+    squares (rows each, rows a power of two >= 2), p.w, p.p and y.y, and one lane of padding, so
+    that a record is a whole number of 16-byte words (the kernel reads its lanes four at a time)."""
+    return 2 * rows + 4
 
 
 def exchange_bytes(chunks: int, rows: int) -> int:
-    """The cluster's exchange (kernel.py): two 8-byte transaction barriers, then the C records,
-    from an 8-byte boundary (the kernel addresses them from the end)."""
-    return (chunks * record_lanes(rows) * 4 + 7) // 8 * 8 + 16
+    """The cluster's exchange (kernel.py): two 8-byte transaction barriers, then the C records
+    (the kernel addresses them from the end)."""
+    return chunks * record_lanes(rows) * 4 + 16
 
 
 def lanes(variant: Variant) -> int:
@@ -340,9 +341,9 @@ def make(
     if chosen.kind == "tile":
         return Plan(chosen, launch("tile_kernel", (T,), dict(shared, SUB=chosen.sub, SOURCES=SOURCES)))
     chunks = -(-H // chosen.block)
-    # the blocks' tile, >= 2 rows (the weights read p.w and p.p as lanes 0 and 1 of a [C, rows] tile)
+    # the blocks' tile, >= 2 rows (the mix is a chain of FMAs over a thread's rows, kernel._fma_lanes)
     rows = max(2, _pow2(NB))
-    span = dict(BLOCK=chosen.block, ROWS=rows, CHUNKS=chunks, SPAN=_pow2(chunks))
+    span = dict(BLOCK=chosen.block, ROWS=rows, CHUNKS=chunks)
     span |= dict(RECORD=record_lanes(rows), EXCHANGE=exchange_bytes(chunks, rows) if chosen.cluster else 0)
     whole = dict(shared, **span, POLLS=SYNC_POLLS, PHASE=0, RELOAD=chosen.reload, PDL=bool(pdl), CLUSTER=chosen.cluster)
     whole |= dict(PREFETCH=T <= PREFETCH_MAX_T, LOADS_FIRST=loads_first(chosen, R, T, NB), LANES=lanes(chosen))
