@@ -583,18 +583,24 @@ def _exchange(c, bar, LANE0: tl.constexpr, LANES: tl.constexpr, CHUNKS: tl.const
 
 @triton.jit
 def _lanes(stats, t, k, lane, N: tl.constexpr, CLUSTER: tl.constexpr, CHUNKS: tl.constexpr, RECORD: tl.constexpr):
-    """Lanes `lane` .. `lane` + N - 1 of token t's record k, a tuple of N f32 that every thread
-    reads: from global memory (L2, where the other programs stored them), or (CLUSTER) from this
-    program's exchange, one load of N lanes (a record is a whole number of 16-byte words,
-    plan.record_lanes)."""
+    """Lanes `lane` .. `lane` + N - 1 (N = 1, 2 or 4) of token t's record k, a tuple of N f32
+    that every thread reads, in one load (a record is a whole number of 16-byte words,
+    plan.record_lanes): from global memory (L2, where the other programs stored them), or
+    (CLUSTER) from this program's exchange."""
     if CLUSTER:
         return _exchange_get((k * RECORD + lane - CHUNKS * RECORD) * 4, N)
     else:
-        values = ()
-        for i in tl.static_range(N):
-            # .cg: from L2, where the other programs' stores are (never a line this SM cached).
-            values = values + (tl.load(stats + (t * CHUNKS + k) * RECORD + lane + i, cache_modifier=".cg"),)
-        return values
+        # .cg: from L2, where the other programs' stores are (never a line this SM cached).
+        values = tl.load(stats + (t * CHUNKS + k) * RECORD + lane + tl.arange(0, N), cache_modifier=".cg")
+        if N == 4:
+            even, odd = tl.split(tl.reshape(values, (2, 2)))
+            v0, v2 = tl.split(even)
+            v1, v3 = tl.split(odd)
+            return v0, v1, v2, v3
+        elif N == 2:
+            return tl.split(values)
+        else:
+            return (tl.sum(values, axis=0),)
 
 
 @triton.jit
