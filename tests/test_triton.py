@@ -800,8 +800,15 @@ def test_plan_shapes():
     sync = plan.make(16, 3, 8, 7168, **PRODUCTION, variant="sync-512-w4")
     whole = sync.launch
     assert whole.kernel == "sync_kernel" and whole.grid == (14, 3) and whole.num_warps == 4  # chunks fastest
-    assert sync.stats_shape == (3, 14, 2 * 8 + 4) and sync.arrivals_shape == (3, 2)
-    assert dict(whole.constexprs)["PHASE"] == 0 and dict(whole.constexprs)["CHUNKS"] == 14
+    assert sync.stats_shape == (3, 14, 2 * 8 + 3) and sync.arrivals_shape == (3, 2)
+    assert dict(whole.constexprs)["PHASE"] == 0 and dict(whole.constexprs)["SPAN"] == 16
+    # the records added in every thread up to plan.THREAD_SUMS_MAX_CHUNKS chunks, as tiles above
+    assert dict(whole.constexprs)["CHUNKS"] == 14 and dict(whole.constexprs)["THREAD_SUMS"] is False
+    for variant, chunks in (("sync-1024-w4-cluster", 7), ("sync-1024-w4", 7), ("sync-2048-w8", 4), ("sync-256-w1", 28)):
+        constexprs = dict(plan.make(16, 3, 8, 7168, **PRODUCTION, variant=variant, clusters=True).launch.constexprs)
+        assert constexprs["CHUNKS"] == chunks and constexprs["THREAD_SUMS"] is (chunks <= plan.THREAD_SUMS_MAX_CHUNKS)
+        # a record of whole 16-byte words where every thread reads it four lanes at a time
+        assert constexprs["RECORD"] == 2 * 8 + (4 if constexprs["THREAD_SUMS"] else 3)
     assert dict(plan.make(16, 3, 3, 7168, **PRODUCTION, variant="sync-512-w4").launch.constexprs)["ROWS"] == 4
     assert [dict(h.constexprs)["PHASE"] for h in sync.stages()] == [1, 2, 3]
     assert {h.grid for h in sync.stages()} == {whole.grid}

@@ -18,6 +18,8 @@ constexpr. Offsets are int64 (R * T * H overflows int32 at large T).
                      CLUSTER, launched in thread block clusters of its C programs, they send
                      their records into each other's shared memory and each waits for the
                      bytes it expects instead (no counters, no records in global memory).
+                     With THREAD_SUMS (few chunks) every thread adds the records itself after
+                     a meeting: no barrier between the threads there.
 
 Which kernel runs, and its launch parameters: plan.py.
 
@@ -469,6 +471,10 @@ def _get(n: int) -> tl.constexpr:
 
 
 _GET1, _GET2, _GET4 = _get(1), _get(2), _get(4)
+_GET_MASKED = _at_end(
+    ".reg .u32 xa; .reg .pred xp;",
+    "add.u32 xa, xe, $1; setp.ne.s32 xp, $2, 0; mov.f32 $0, 0f00000000; @xp ld.shared.f32 $0, [xa];",
+)
 _INIT = _at_end(
     ".reg .u32 xa, xt; .reg .b64 xz; .reg .pred xp;",
     """add.u32 xa, xe, $1;
@@ -510,6 +516,12 @@ _ARRIVED = _at_end(
     ".reg .u32 xa; .reg .pred xp;",
     "add.u32 xa, xe, $1; mbarrier.try_wait.parity.shared::cta.b64 xp, [xa], 0; selp.u32 $0, 1, 0, xp;",
 )
+
+
+@triton.jit
+def _exchange_get_masked(offset, ok):
+    """The f32 at byte `offset` from the end of this program's exchange, 0.0 where `ok` is zero."""
+    return tl.inline_asm_elementwise(_GET_MASKED, "=f,r,r", [offset, ok], dtype=tl.float32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -579,6 +591,20 @@ def _exchange(c, bar, LANE0: tl.constexpr, LANES: tl.constexpr, CHUNKS: tl.const
     done = _arrived(bar + 0 * c)
     while done == 0:
         done = _arrived(bar + 0 * c)
+
+
+@triton.jit
+def _records(stats, t, k, lanes, mask, CLUSTER: tl.constexpr, CHUNKS: tl.constexpr, RECORD: tl.constexpr):
+    """Lanes `lanes` of token t's records `k` as a [len(k), len(lanes)] f32 tile, 0.0 where not
+    `mask`: from global memory (L2, where the other programs stored them), or (CLUSTER) from this
+    program's exchange (the tile form, THREAD_SUMS off)."""
+    if CLUSTER:
+        offset = (k[:, None] * RECORD + lanes[None, :] - CHUNKS * RECORD) * 4
+        return _exchange_get_masked(offset, mask.to(tl.int32))
+    else:
+        rows = stats + (t * CHUNKS + k)[:, None] * RECORD + lanes[None, :]
+        # .cg: from L2, where the other programs' stores are (never a line this SM cached).
+        return tl.load(rows, mask=mask, other=0.0, cache_modifier=".cg")
 
 
 @triton.jit
@@ -667,6 +693,23 @@ def _arrive_and_wait(counter, CHUNKS: tl.constexpr, POLLS: tl.constexpr):
 
 
 @triton.jit
+def _token_sum(stats, t, lanes, CLUSTER: tl.constexpr, CHUNKS: tl.constexpr, SPAN: tl.constexpr,
+               RECORD: tl.constexpr):  # fmt: skip
+    """Lanes `lanes` of token t's CHUNKS records (SPAN: CHUNKS rounded up to a power of two),
+    added over the chunks (the tile form): every program of the token runs this same code on the
+    same records, so all of them get the same bits."""
+    k = tl.arange(0, SPAN)
+    return tl.sum(
+        _records(stats, t, k, lanes, (k < CHUNKS)[:, None] & (lanes >= 0)[None, :], CLUSTER, CHUNKS, RECORD), axis=0
+    )
+
+
+@triton.jit
+def _add3(a0, a1, a2, b0, b1, b2):
+    return a0 + b0, a1 + b1, a2 + b2
+
+
+@triton.jit
 def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
     return a0 + b0, a1 + b1, a2 + b2, a3 + b3
 
@@ -674,12 +717,60 @@ def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
 @triton.jit
 def _sync_weights(
     stats, t, NB: tl.constexpr, H: tl.constexpr, EPS: tl.constexpr, ROWS: tl.constexpr,
-    CHUNKS: tl.constexpr, RECORD: tl.constexpr, CLUSTER: tl.constexpr,
+    CHUNKS: tl.constexpr, SPAN: tl.constexpr, RECORD: tl.constexpr, CLUSTER: tl.constexpr,
+    THREAD_SUMS: tl.constexpr,
 ):  # fmt: skip
     """The softmax weights of token t's blocks ([ROWS], padding rows 0) and of its new prefix p,
-    from its records' dot products and squares: scalars in every thread (_lane_sums), so the
-    weights need no reduction and no exchange between threads; the tile of weights is put
-    together from them where it is used."""
+    from its records' dot products and squares (THREAD_SUMS: _thread_weights, else
+    _tile_weights)."""
+    if THREAD_SUMS:
+        alpha, alpha_p = _thread_weights(stats, t, NB, H, EPS, ROWS, CHUNKS, RECORD, CLUSTER)
+    else:
+        alpha, alpha_p = _tile_weights(stats, t, NB, H, EPS, ROWS, CHUNKS, SPAN, RECORD, CLUSTER)
+    return alpha, alpha_p
+
+
+@triton.jit
+def _tile_weights(
+    stats, t, NB: tl.constexpr, H: tl.constexpr, EPS: tl.constexpr, ROWS: tl.constexpr,
+    CHUNKS: tl.constexpr, SPAN: tl.constexpr, RECORD: tl.constexpr, CLUSTER: tl.constexpr,
+):  # fmt: skip
+    """_sync_weights from [SPAN, ROWS] tiles of the records, reduced over the chunks across the
+    program's threads: few instructions a thread where a token has many chunks."""
+    j = tl.arange(0, ROWS)
+    real = j < NB
+    # one load of the three tiles ([SPAN, ROWS] each; p.w and p.p in lanes 0 and 1 of the third,
+    # so ROWS >= 2) and one reduction of them
+    k = tl.arange(0, SPAN)
+    chunk = (k < CHUNKS)[:, None]
+    dots, squares, mine = tl.reduce(
+        (
+            _records(stats, t, k, j, chunk & real[None, :], CLUSTER, CHUNKS, RECORD),
+            _records(stats, t, k, ROWS + j, chunk & real[None, :], CLUSTER, CHUNKS, RECORD),
+            _records(stats, t, k, 2 * ROWS + j, chunk & (j < 2)[None, :], CLUSTER, CHUNKS, RECORD),
+        ),
+        0,
+        _add3,
+    )
+    p_dot = tl.sum(tl.where(j == 0, mine, 0.0), axis=0)
+    p_square = tl.sum(tl.where(j == 1, mine, 0.0), axis=0)
+    logits = tl.where(real, dots * tl.rsqrt(squares / H + EPS), float("-inf"))
+    logit = p_dot * tl.rsqrt(p_square / H + EPS)
+    top = tl.maximum(tl.max(logits, axis=0), logit)
+    e = tl.exp(logits - top)
+    e_p = tl.exp(logit - top)  # a NaN logit reaches the denominator: every weight is NaN
+    den = tl.sum(e, axis=0) + e_p
+    return e / den, e_p / den
+
+
+@triton.jit
+def _thread_weights(
+    stats, t, NB: tl.constexpr, H: tl.constexpr, EPS: tl.constexpr, ROWS: tl.constexpr,
+    CHUNKS: tl.constexpr, RECORD: tl.constexpr, CLUSTER: tl.constexpr,
+):  # fmt: skip
+    """_sync_weights as scalars in every thread (_lane_sums): no reduction and no exchange
+    between threads, no barrier; the tile of weights is put together from them where it is
+    used. A thread adds CHUNKS records of 2 * ROWS + 2 lanes itself: for few chunks."""
     sums = ()
     for lane in tl.static_range(0, 2 * ROWS, 4):  # the dots, then the squares, four lanes a load
         sums = sums + _lane_sums(stats, t, lane, 4, CLUSTER, CHUNKS, RECORD)
@@ -785,6 +876,7 @@ def sync_kernel(
     BLOCK: tl.constexpr,
     ROWS: tl.constexpr,
     CHUNKS: tl.constexpr,
+    SPAN: tl.constexpr,
     RECORD: tl.constexpr,
     EXCHANGE: tl.constexpr,
     POLLS: tl.constexpr,
@@ -796,12 +888,13 @@ def sync_kernel(
     LOADS_FIRST: tl.constexpr,
     OWN: tl.constexpr,
     LANES: tl.constexpr,
+    THREAD_SUMS: tl.constexpr,
 ):
     """Grid (C, T): chunk c of token t, its blocks as a [ROWS, BLOCK] tile and its new prefix p
     held in registers throughout (RELOAD: the blocks read again after barrier 1 instead).
-    `stats` holds a record of RECORD = 2 * ROWS + 4 f32 lanes per chunk (plan.record_lanes): the blocks' dots
+    `stats` holds a record of RECORD f32 lanes per chunk (plan.record_lanes): the blocks' dots
     b_j.w (lanes j) and squares b_j.b_j (ROWS + j), p.w and p.p (2 * ROWS, 2 * ROWS + 1), y.y (2 * ROWS + 2), over
-    the chunk's columns, and one lane of padding; `arrivals` ([T, 2] int32) the
+    the chunk's columns (THREAD_SUMS: and one lane of padding); `arrivals` ([T, 2] int32) the
     two barriers' arrival counters, zero at launch (and at exit). The weights need every chunk's dots and
     squares (barrier 1), the output scale every chunk's y.y (barrier 2).
 
@@ -817,7 +910,11 @@ def sync_kernel(
     every row read before any arithmetic (_rows_first; plan.loads_first). OWN >= 0:
     rank OWN's partial read from `own` [T, H] in place of its slot (the row and tile kernels alike);
     OWN = -1 with `own` the constexpr None. LANES: the columns a thread holds (plan.lanes; 4 or 8),
-    along which its dots and squares are FMA chains (not RELOAD: under its register cap they spill)."""
+    along which its dots and squares are FMA chains (not RELOAD: under its register cap they spill).
+    THREAD_SUMS (plan.thread_sums): after each meeting every thread adds the records' lanes over the
+    chunks itself, in chunk order (_lane_sums), and computes the weights as scalars; else the
+    records are reduced as tiles across the program's threads. Each is the same code on either
+    path (clusters or counters), so the two paths give the same bits."""
     if PHASE == 0 and PREFETCH:
         # Few programs in all, each waiting on its loads: every row it reads is asked of L2
         # first, before the PDL wait, so the lines come while the kernel ahead finishes (L2 holds
@@ -910,7 +1007,7 @@ def sync_kernel(
             _cluster_wait()  # the peers run: their shared memory may be written
         _put_record(
             record, c, tl.where(v == 0, u * ROWS + jj, 2 * ROWS + u),
-            tl.join(tl.join(dots, squares), tl.join(p_dot, p_square)), tl.where(v == 0, jj < NB, jj == 0),
+            tl.join(tl.join(dots, squares), tl.join(p_dot, p_square)), (v == 0) | (jj == 0),
             CLUSTER, CHUNKS, RECORD,
         )  # fmt: skip
     else:
@@ -924,7 +1021,7 @@ def sync_kernel(
         if NB == 0:
             y = p  # one source: its weight is exactly 1 (docs/spec.md)
         else:
-            alpha, alpha_p = _sync_weights(stats, t, NB, H, EPS, ROWS, CHUNKS, RECORD, CLUSTER)
+            alpha, alpha_p = _sync_weights(stats, t, NB, H, EPS, ROWS, CHUNKS, SPAN, RECORD, CLUSTER, THREAD_SUMS)
             if RELOAD:
                 # The same bits again, from L1 or L2 where the first read left them: the tile is not
                 # held across the barrier, so a thread needs fewer registers and more programs
@@ -945,7 +1042,10 @@ def sync_kernel(
         else:
             _arrive_and_wait(arrivals + 2 * t + 1, CHUNKS, POLLS)
     if PHASE == 0 or PHASE == 3:
-        (yy,) = _lane_sums(stats, t, YY, 1, CLUSTER, CHUNKS, RECORD)
+        if THREAD_SUMS:
+            (yy,) = _lane_sums(stats, t, YY, 1, CLUSTER, CHUNKS, RECORD)
+        else:
+            yy = tl.sum(_token_sum(stats, t, YY + tl.arange(0, 1), CLUSTER, CHUNKS, SPAN, RECORD), axis=0)
         if PHASE == 0 and not RELOAD:
             on = _widen(on_early)
         else:

@@ -83,6 +83,13 @@ PREFETCH_MAX_T = 16
 # 4.90-4.92 / 5.67-5.78 loading among the sums, sync-1024-w4-cluster 3.38-3.57 / 3.77-3.85 against 3.53-3.59 /
 # 3.85-3.93; at T = 64 (448 programs, 165 registers a thread) it cost 40-50 %.
 LOADS_FIRST_MAX_T = 8
+# sync, a token of at most this many chunks: after each meeting every thread adds the chunks' records itself (2 * ROWS
+# + 2 lanes each, chunk order) and computes the weights as scalars, where the tile form reduces them across the
+# program's threads (2 barriers and a layout change through shared memory). sync-1024-w4-cluster, pipelined, on an
+# H100 (docs/perf.md, "The Triton kernel"): 3.17-3.20 / 3.58-3.59 us at T = 1 / 8 against 3.42-3.45 / 3.86, 11.71
+# against 11.59 at T = 64. The cluster configurations have at most CLUSTER_MAX chunks; sync-256-w1 (28 chunks at
+# H = 7168, one warp: no barrier to save) would add 28 records a thread.
+THREAD_SUMS_MAX_CHUNKS = 8
 LOADS_FIRST_REGISTERS = 128
 
 
@@ -276,17 +283,24 @@ class Plan:
         )
 
 
-def record_lanes(rows: int) -> int:
+def record_lanes(rows: int, chunks: int) -> int:
     """The f32 lanes of a sync program's record (kernel.sync_kernel): the blocks' dots and
-    squares (rows each, rows a power of two >= 2), p.w, p.p and y.y, and one lane of padding, so
-    that a record is a whole number of 16-byte words (the kernel reads its lanes four at a time)."""
-    return 2 * rows + 4
+    squares (rows each, rows a power of two >= 2), p.w, p.p and y.y; where every thread adds the
+    records itself (thread_sums), one lane of padding, so that a record is a whole number of
+    16-byte words (the kernel reads its lanes four at a time)."""
+    return 2 * rows + (4 if thread_sums(chunks) else 3)
 
 
 def exchange_bytes(chunks: int, rows: int) -> int:
-    """The cluster's exchange (kernel.py): two 8-byte transaction barriers, then the C records
-    (the kernel addresses them from the end)."""
-    return chunks * record_lanes(rows) * 4 + 16
+    """The cluster's exchange (kernel.py): two 8-byte transaction barriers, then the C records,
+    from a 16-byte boundary (the kernel addresses them from the end)."""
+    return (chunks * record_lanes(rows, chunks) * 4 + 15) // 16 * 16 + 16
+
+
+def thread_sums(chunks: int) -> bool:
+    """Whether every thread of a sync program adds the records over the chunks itself after a
+    meeting (kernel.sync_kernel THREAD_SUMS): up to THREAD_SUMS_MAX_CHUNKS chunks."""
+    return chunks <= THREAD_SUMS_MAX_CHUNKS
 
 
 def lanes(variant: Variant) -> int:
@@ -343,16 +357,15 @@ def make(
     chunks = -(-H // chosen.block)
     # the blocks' tile, >= 2 rows (the mix is a chain of FMAs over a thread's rows, kernel._fma_lanes)
     rows = max(2, _pow2(NB))
-    span = dict(BLOCK=chosen.block, ROWS=rows, CHUNKS=chunks)
-    span |= dict(RECORD=record_lanes(rows), EXCHANGE=exchange_bytes(chunks, rows) if chosen.cluster else 0)
+    span = dict(BLOCK=chosen.block, ROWS=rows, CHUNKS=chunks, SPAN=_pow2(chunks), THREAD_SUMS=thread_sums(chunks))
+    record = record_lanes(rows, chunks)
+    span |= dict(RECORD=record, EXCHANGE=exchange_bytes(chunks, rows) if chosen.cluster else 0)
     whole = dict(shared, **span, POLLS=SYNC_POLLS, PHASE=0, RELOAD=chosen.reload, PDL=bool(pdl), CLUSTER=chosen.cluster)
     whole |= dict(PREFETCH=T <= PREFETCH_MAX_T, LOADS_FIRST=loads_first(chosen, R, T, NB), LANES=lanes(chosen))
     kernel = dataclasses.replace(
         launch("sync_kernel", (chunks, T), whole, bool(pdl)), cluster=chunks if chosen.cluster else 0
     )
-    return Plan(
-        chosen, kernel, stats_shape=(T, chunks, record_lanes(rows)), arrivals_shape=None if chosen.cluster else (T, 2)
-    )
+    return Plan(chosen, kernel, stats_shape=(T, chunks, record), arrivals_shape=None if chosen.cluster else (T, 2))
 
 
 def repair_cache_dir() -> None:
