@@ -52,7 +52,7 @@ if has checks; then
     mkdir -p "$out/sanitize"
     bash benchmarks/sanitize.sh "$out/sanitize" 330 "memcheck racecheck synccheck" > "$out/sanitize.txt" 2>&1 &
   fi
-  [ -d .whl ] && stage wheel 330 bash benchmarks/wheel_check.sh &
+  [ -d .whl ] && stage wheel 330 env -u OPROJ_JAX_CUBIN_DIR OPROJ_WHEEL_DEPS="$PWD/.dev/site" bash benchmarks/wheel_check.sh &
   wait
   if has sanitize; then
     # initcheck alone on the GPU (sanitize.sh says why)

@@ -106,4 +106,6 @@ wait
 # initcheck after the others, its groups one at a time: beside another sanitized process on the
 # GPU it can miss the host-to-device copy of one input of a process and then report every read of
 # that input as uninitialized (docs/perf.md, "Sanitizer")
-[[ " $tools " == *" initcheck "* ]] && for group in $groups; do groups=$group run_tool initcheck; done
+if [[ " $tools " == *" initcheck "* ]]; then
+  for group in $groups; do groups=$group run_tool initcheck; done
+fi
