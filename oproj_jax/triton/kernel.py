@@ -720,9 +720,9 @@ def _sync_weights(
     CHUNKS: tl.constexpr, SPAN: tl.constexpr, RECORD: tl.constexpr, CLUSTER: tl.constexpr,
     THREAD_SUMS: tl.constexpr,
 ):  # fmt: skip
-    """The softmax weights of token t's blocks ([ROWS], padding rows 0) and of its new prefix p,
-    from its records' dot products and squares (THREAD_SUMS: _thread_weights, else
-    _tile_weights)."""
+    """The softmax weights of token t's blocks ([ROWS]; padding rows 0, which multiply zero rows)
+    and of its new prefix p, from its records' dot products and squares (THREAD_SUMS:
+    _thread_weights, else _tile_weights, whose padding weights are NaN where every weight is)."""
     if THREAD_SUMS:
         alpha, alpha_p = _thread_weights(stats, t, NB, H, EPS, ROWS, CHUNKS, RECORD, CLUSTER)
     else:
