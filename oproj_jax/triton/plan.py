@@ -83,14 +83,14 @@ PREFETCH_MAX_T = 16
 # 4.90-4.92 / 5.67-5.78 loading among the sums, sync-1024-w4-cluster 3.38-3.57 / 3.77-3.85 against 3.53-3.59 /
 # 3.85-3.93; at T = 64 (448 programs, 165 registers a thread) it cost 40-50 %.
 LOADS_FIRST_MAX_T = 8
+LOADS_FIRST_REGISTERS = 128
 # sync, a token of at most this many chunks: after each meeting every thread adds the chunks' records itself (2 * ROWS
 # + 2 lanes each, chunk order) and computes the weights as scalars, where the tile form reduces them across the
 # program's threads (2 barriers and a layout change through shared memory). sync-1024-w4-cluster, pipelined, on an
-# H100 (docs/perf.md, "The Triton kernel"): 3.17-3.20 / 3.58-3.59 us at T = 1 / 8 against 3.42-3.45 / 3.86, 11.71
+# H100 (docs/perf.md, "Thread sums"): 3.17-3.20 / 3.58-3.59 us at T = 1 / 8 against 3.42-3.45 / 3.86, 11.71
 # against 11.59 at T = 64. The cluster configurations have at most CLUSTER_MAX chunks; sync-256-w1 (28 chunks at
 # H = 7168, one warp: no barrier to save) would add 28 records a thread.
 THREAD_SUMS_MAX_CHUNKS = 8
-LOADS_FIRST_REGISTERS = 128
 
 
 @dataclasses.dataclass(frozen=True)
