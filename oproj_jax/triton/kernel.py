@@ -453,7 +453,8 @@ def _cluster_wait():
 # cluster (st.async at the peer's address, mapa), each store counting its bytes at the peer's
 # barrier, and reads all of them from its own shared memory once its own barrier has counted
 # every byte it expects: no fence and no cluster barrier between the sums (a release at cluster
-# scope waits for every store in flight, the prefix's to global memory included).
+# scope waits for every store in flight, the prefix's to global memory included). y.y, one value
+# that every thread holds, is sent from registers instead (_exchange_value): nothing staged.
 
 
 def _at_end(registers: str, body: str) -> tl.constexpr:
@@ -510,6 +511,20 @@ _SEND = _at_end(
         @xp mapa.shared::cluster.u32 xr, xa, xq;
         @xp mapa.shared::cluster.u32 xm, xm, xq;
         @xp st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [xr], xw, [xm];
+        mov.u32 $0, 0;""",
+)
+_SEND_VALUE = _at_end(
+    ".reg .u32 xk, xq, xa, xr, xm; .reg .pred xp, xg;",
+    """mov.u32 xk, %tid.x;
+        setp.lt.u32 xp, xk, $2;
+        setp.ge.u32 xg, xk, $3;
+        selp.u32 xq, 1, 0, xg;
+        add.u32 xq, xk, xq;
+        add.u32 xa, xe, $4;
+        add.u32 xm, xe, $5;
+        @xp mapa.shared::cluster.u32 xr, xa, xq;
+        @xp mapa.shared::cluster.u32 xm, xm, xq;
+        @xp st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [xr], $1, [xm];
         mov.u32 $0, 0;""",
 )
 _ARRIVED = _at_end(
@@ -574,6 +589,15 @@ def _send(first, count, lanes, c, offset, bar):
 
 
 @triton.jit
+def _send_value(value, count, c, offset, bar):
+    """`value` (f32, the same in every thread) sent by thread k < `count` to byte `offset` from
+    the end of the cluster's program k + (k >= c), by st.async, whose 4 bytes complete that
+    program's barrier at `bar`: a scalar meeting, with nothing staged and no barrier first."""
+    args = [value, count, c, offset, bar]
+    return tl.inline_asm_elementwise(_SEND_VALUE, "=r,f,r,r,r,r", args, dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _arrived(bar):
     """1 once the transaction barrier at byte `bar` from the end has received its bytes."""
     return tl.inline_asm_elementwise(_ARRIVED, "=r,r", [bar], dtype=tl.int32, is_pure=False, pack=1)
@@ -588,9 +612,32 @@ def _exchange(c, bar, LANE0: tl.constexpr, LANES: tl.constexpr, CHUNKS: tl.const
     THREADS: tl.constexpr = tl_cuda.num_threads()
     for first in tl.static_range(0, COUNT, THREADS):
         _send(first + 0 * c, COUNT + 0 * c, LANES + 0 * c, c, (c * RECORD + LANE0 - CHUNKS * RECORD) * 4, bar + 0 * c)
-    done = _arrived(bar + 0 * c)
+    _wait_arrived(bar + 0 * c)
+
+
+@triton.jit
+def _wait_arrived(bar):
+    """Returns once the transaction barrier at byte `bar` from the end has received its bytes."""
+    done = _arrived(bar)
     while done == 0:
-        done = _arrived(bar + 0 * c)
+        done = _arrived(bar)
+
+
+@triton.jit
+def _exchange_value(value, c, bar, LANE: tl.constexpr, CHUNKS: tl.constexpr, RECORD: tl.constexpr):
+    """Lane LANE of every chunk's record added over the chunks in chunk order, in every thread,
+    where each program holds its own `value` (the same in every thread): sent from registers to
+    the cluster's other programs (_send_value), theirs read from this program's exchange once
+    they have arrived (the barrier at `bar`), its own never stored. The same values in the same
+    order as _lane_sums of the records: the same bits."""
+    _send_value(value, CHUNKS - 1 + 0 * c, c, (c * RECORD + LANE - CHUNKS * RECORD) * 4, bar + 0 * c)
+    _wait_arrived(bar + 0 * c)
+    total = value
+    for k in tl.static_range(CHUNKS):
+        theirs = _exchange_get_masked((k * RECORD + LANE - CHUNKS * RECORD) * 4 + 0 * c, (c != k).to(tl.int32))
+        mine = tl.where(c == k, value, theirs)
+        total = mine if k == 0 else total + mine
+    return total
 
 
 @triton.jit
@@ -914,7 +961,8 @@ def sync_kernel(
     THREAD_SUMS (plan.thread_sums): after each meeting every thread adds the records' lanes over the
     chunks itself, in chunk order (_lane_sums), and computes the weights as scalars; else the
     records are reduced as tiles across the program's threads. Each is the same code on either
-    path (clusters or counters), so the two paths give the same bits."""
+    path (clusters or counters), so the two paths give the same bits; in a cluster with THREAD_SUMS
+    and not RELOAD y.y is sent from registers and added in the same order (_exchange_value)."""
     if PHASE == 0 and PREFETCH:
         # Few programs in all, each waiting on its loads: every row it reads is asked of L2
         # first, before the PDL wait, so the lines come while the kernel ahead finishes (L2 holds
@@ -1032,17 +1080,24 @@ def sync_kernel(
             else:
                 # a thread holds every block of its columns: one chain of FMAs over them
                 y = _fma_lanes(tl.permute(b, (1, 0)), alpha, alpha_p * p, ROWS)
-    if PHASE == 0 or PHASE == 2:
+    # y.y sent from registers (not under RELOAD, the launches of many tokens: slower there, docs/perf.md)
+    SENT: tl.constexpr = PHASE == 0 and CLUSTER and THREAD_SUMS and not RELOAD
+    if SENT:
+        # y.y, held by every thread after its reduction: no staging, no barrier before sending it
+        yy = _exchange_value(0.0 + tl.sum(y * y, axis=0), c, BARS + 8, YY, CHUNKS, RECORD)
+    elif PHASE == 0 or PHASE == 2:
         lane = tl.full([1, 1, 1], YY, tl.int32)
         yy = tl.full([1, 1, 1], 0.0, tl.float32) + tl.sum(y * y, axis=0)  # y.y >= 0: adding +0.0 keeps its bits
         _put_record(record, c, lane, yy, lane >= 0, CLUSTER, CHUNKS, RECORD)
-    if PHASE == 0:
-        if CLUSTER:
-            _exchange(c, BARS + 8, YY, 1, CHUNKS, RECORD)
-        else:
-            _arrive_and_wait(arrivals + 2 * t + 1, CHUNKS, POLLS)
+        if PHASE == 0:
+            if CLUSTER:
+                _exchange(c, BARS + 8, YY, 1, CHUNKS, RECORD)
+            else:
+                _arrive_and_wait(arrivals + 2 * t + 1, CHUNKS, POLLS)
     if PHASE == 0 or PHASE == 3:
-        if THREAD_SUMS:
+        if SENT:
+            pass  # yy is the token's y.y
+        elif THREAD_SUMS:
             (yy,) = _lane_sums(stats, t, YY, 1, CLUSTER, CHUNKS, RECORD)
         else:
             yy = tl.sum(_token_sum(stats, t, YY + tl.arange(0, 1), CLUSTER, CHUNKS, SPAN, RECORD), axis=0)
