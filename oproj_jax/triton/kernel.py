@@ -632,12 +632,18 @@ def _exchange_value(value, c, bar, LANE: tl.constexpr, CHUNKS: tl.constexpr, REC
     order as _lane_sums of the records: the same bits."""
     _send_value(value, CHUNKS - 1 + 0 * c, c, (c * RECORD + LANE - CHUNKS * RECORD) * 4, bar + 0 * c)
     _wait_arrived(bar + 0 * c)
-    total = value
-    for k in tl.static_range(CHUNKS):
-        theirs = _exchange_get_masked((k * RECORD + LANE - CHUNKS * RECORD) * 4 + 0 * c, (c != k).to(tl.int32))
-        mine = tl.where(c == k, value, theirs)
-        total = mine if k == 0 else total + mine
+    total = _chunk_value(value, c, 0, LANE, CHUNKS, RECORD)
+    for k in tl.static_range(1, CHUNKS):
+        total = total + _chunk_value(value, c, k, LANE, CHUNKS, RECORD)
     return total
+
+
+@triton.jit
+def _chunk_value(value, c, k: tl.constexpr, LANE: tl.constexpr, CHUNKS: tl.constexpr, RECORD: tl.constexpr):
+    """Chunk k's lane LANE: this program's own `value` where k is its chunk c, else the peer's
+    from this program's exchange."""
+    theirs = _exchange_get_masked((k * RECORD + LANE - CHUNKS * RECORD) * 4 + 0 * c, (c != k).to(tl.int32))
+    return tl.where(c == k, value, theirs)
 
 
 @triton.jit
@@ -1082,10 +1088,7 @@ def sync_kernel(
                 y = _fma_lanes(tl.permute(b, (1, 0)), alpha, alpha_p * p, ROWS)
     # y.y sent from registers (not under RELOAD, the launches of many tokens: slower there, docs/perf.md)
     SENT: tl.constexpr = PHASE == 0 and CLUSTER and THREAD_SUMS and not RELOAD
-    if SENT:
-        # y.y, held by every thread after its reduction: no staging, no barrier before sending it
-        yy = _exchange_value(0.0 + tl.sum(y * y, axis=0), c, BARS + 8, YY, CHUNKS, RECORD)
-    elif PHASE == 0 or PHASE == 2:
+    if (PHASE == 0 or PHASE == 2) and not SENT:
         lane = tl.full([1, 1, 1], YY, tl.int32)
         yy = tl.full([1, 1, 1], 0.0, tl.float32) + tl.sum(y * y, axis=0)  # y.y >= 0: adding +0.0 keeps its bits
         _put_record(record, c, lane, yy, lane >= 0, CLUSTER, CHUNKS, RECORD)
@@ -1096,7 +1099,8 @@ def sync_kernel(
                 _arrive_and_wait(arrivals + 2 * t + 1, CHUNKS, POLLS)
     if PHASE == 0 or PHASE == 3:
         if SENT:
-            pass  # yy is the token's y.y
+            # y.y, held by every thread after its reduction: no staging, no barrier before sending it
+            yy = _exchange_value(0.0 + tl.sum(y * y, axis=0), c, BARS + 8, YY, CHUNKS, RECORD)
         elif THREAD_SUMS:
             (yy,) = _lane_sums(stats, t, YY, 1, CLUSTER, CHUNKS, RECORD)
         else:
