@@ -527,31 +527,6 @@ _SEND_VALUE = _at_end(
         @xp st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [xr], $1, [xm];
         mov.u32 $0, 0;""",
 )
-# The first meeting's record sent from registers (_send_record): item i = $19 + the thread's index,
-# if below $20, is lane l = i % $21 of the record ($1 .. $18, in lane order: the lanes a record
-# has, at most 18 = 2 * 8 + 2) stored at byte $22 + 4 * l from the end of the cluster's program
-# k = i / $21 (this program among them) by st.async, whose 4 bytes complete that program's
-# barrier at byte $23.
-_SEND_LANES = _at_end(
-    ".reg .u32 xi, xk, xl, xa, xr, xm, xw; .reg .pred xp, xg;",
-    """mov.u32 xi, %tid.x;
-        add.u32 xi, xi, $19;
-        setp.lt.u32 xp, xi, $20;
-        div.u32 xk, xi, $21;
-        mul.lo.u32 xl, xk, $21;
-        sub.u32 xl, xi, xl;
-        mov.b32 xw, $1;"""
-    + "".join(f"\n        setp.eq.u32 xg, xl, {i}; selp.b32 xw, ${i + 1}, xw, xg;" for i in range(1, 18))
-    + """
-        shl.b32 xl, xl, 2;
-        add.u32 xa, xe, $22;
-        add.u32 xa, xa, xl;
-        add.u32 xm, xe, $23;
-        @xp mapa.shared::cluster.u32 xr, xa, xk;
-        @xp mapa.shared::cluster.u32 xm, xm, xk;
-        @xp st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [xr], xw, [xm];
-        mov.u32 $0, 0;""",
-)
 _ARRIVED = _at_end(
     ".reg .u32 xa; .reg .pred xp;",
     "add.u32 xa, xe, $1; mbarrier.try_wait.parity.shared::cta.b64 xp, [xa], 0; selp.u32 $0, 1, 0, xp;",
@@ -620,41 +595,6 @@ def _send_value(value, count, c, offset, bar):
     program's barrier at `bar`: a scalar meeting, with nothing staged and no barrier first."""
     args = [value, count, c, offset, bar]
     return tl.inline_asm_elementwise(_SEND_VALUE, "=r,f,r,r,r,r", args, dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _pick(x, j, i: tl.constexpr):
-    """Entry i of the tile x (indexed by j) as a scalar: the other entries add -0.0, which leaves
-    every value's bits as they are (a tile that every thread holds whole: no exchange)."""
-    minus_zero = tl.full(x.shape, -(2**31), tl.int32).to(tl.float32, bitcast=True)
-    return tl.sum(tl.where(j == i, x, minus_zero), axis=0)
-
-
-@triton.jit
-def _send_record(dots, squares, p_dot, p_square, c, bar, ROWS: tl.constexpr, CHUNKS: tl.constexpr,
-                 RECORD: tl.constexpr):  # fmt: skip
-    """The first meeting from registers: this program's record (the blocks' dots and squares
-    [ROWS], p.w and p.p in entry 0 of theirs), which every thread holds after its reduction,
-    sent to lanes 0 .. 2 * ROWS + 1 of its slot in every program of the cluster, its own
-    included, by st.async (_SEND_LANES), each program's barrier at `bar` counting the bytes:
-    nothing staged, no barrier before the send, and every record read where it arrived."""
-    j = tl.arange(0, ROWS)
-    lanes = ()
-    for i in tl.static_range(ROWS):
-        lanes = lanes + (_pick(dots, j, i),)
-    for i in tl.static_range(ROWS):
-        lanes = lanes + (_pick(squares, j, i),)
-    lanes = lanes + (_pick(p_dot, j, 0), _pick(p_square, j, 0))
-    N: tl.constexpr = 2 * ROWS + 2
-    tl.static_assert(N <= 18, "a record of at most 18 lanes (NB <= 8)")
-    for i in tl.static_range(N, 18):
-        lanes = lanes + (lanes[0],)  # never sent (lane i % N < N)
-    COUNT: tl.constexpr = CHUNKS * N
-    THREADS: tl.constexpr = tl_cuda.num_threads()
-    for first in tl.static_range(0, COUNT, THREADS):
-        args = lanes + (first + 0 * c, COUNT + 0 * c, N + 0 * c, (c * RECORD - CHUNKS * RECORD) * 4, bar + 0 * c)
-        tl.inline_asm_elementwise(_SEND_LANES, "=r" + ",f" * 18 + ",r,r,r,r,r", args, dtype=tl.int32, is_pure=False,
-                                  pack=1)  # fmt: skip
 
 
 @triton.jit
@@ -1054,13 +994,10 @@ def sync_kernel(
         tl_cuda.gdc_launch_dependents()
     BARS: tl.constexpr = -EXCHANGE  # the exchange's two transaction barriers, at its start
     YY: tl.constexpr = 2 * ROWS + 2  # y.y's lane: the first meeting sends the YY before it
-    # both meetings sent from registers (not under RELOAD, the launches of many tokens: slower
-    # there, docs/perf.md): the record to every program, this one included, then y.y to the peers
-    SENT: tl.constexpr = PHASE == 0 and CLUSTER and THREAD_SUMS and not RELOAD
     c = tl.program_id(0)
     if CLUSTER:
-        # the two meetings' bytes: YY lanes from each sender, then y.y from the C - 1 peers
-        _exchange_init(BARS + 0 * c, (CHUNKS - 1 + SENT) * YY * 4 + 0 * c, (CHUNKS - 1) * 4 + 0 * c)
+        # the two meetings' bytes from the C - 1 peers: YY lanes, then y.y
+        _exchange_init(BARS + 0 * c, (CHUNKS - 1) * YY * 4 + 0 * c, (CHUNKS - 1) * 4 + 0 * c)
         _cluster_arrive()
     t = tl.program_id(1).to(tl.int64)
     T = tl.num_programs(1).to(tl.int64)
@@ -1115,27 +1052,22 @@ def sync_kernel(
                 1,
                 _add4,
             )  # fmt: skip
+        # the record as one [ROWS, 2, 2] tile (j, u, v): v = 0 the blocks' dots (u = 0) and squares
+        # (u = 1) in lanes u * ROWS + j; v = 1 p.w and p.p in lanes 2 * ROWS + u, from row 0
+        u = tl.arange(0, 2)[None, :, None]
+        v = tl.arange(0, 2)[None, None, :]
+        jj = j[:, None, None]
         if CLUSTER:
             _cluster_wait()  # the peers run: their shared memory may be written
-        if SENT:
-            _send_record(dots, squares, p_dot, p_square, c, BARS, ROWS, CHUNKS, RECORD)
-        else:
-            # the record as one [ROWS, 2, 2] tile (j, u, v): v = 0 the blocks' dots (u = 0) and squares
-            # (u = 1) in lanes u * ROWS + j; v = 1 p.w and p.p in lanes 2 * ROWS + u, from row 0
-            u = tl.arange(0, 2)[None, :, None]
-            v = tl.arange(0, 2)[None, None, :]
-            jj = j[:, None, None]
-            _put_record(
-                record, c, tl.where(v == 0, u * ROWS + jj, 2 * ROWS + u),
-                tl.join(tl.join(dots, squares), tl.join(p_dot, p_square)), (v == 0) | (jj == 0),
-                CLUSTER, CHUNKS, RECORD,
-            )  # fmt: skip
+        _put_record(
+            record, c, tl.where(v == 0, u * ROWS + jj, 2 * ROWS + u),
+            tl.join(tl.join(dots, squares), tl.join(p_dot, p_square)), (v == 0) | (jj == 0),
+            CLUSTER, CHUNKS, RECORD,
+        )  # fmt: skip
     else:
         p = _widen(tl.load(prefix_out + t * H + offs, mask=mask, other=0.0))
     if PHASE == 0:
-        if SENT:
-            _wait_arrived(BARS + 0 * c)
-        elif CLUSTER:
+        if CLUSTER:
             _exchange(c, BARS, 0, YY, CHUNKS, RECORD)
         else:
             _arrive_and_wait(arrivals + 2 * t, CHUNKS, POLLS)
@@ -1154,6 +1086,8 @@ def sync_kernel(
             else:
                 # a thread holds every block of its columns: one chain of FMAs over them
                 y = _fma_lanes(tl.permute(b, (1, 0)), alpha, alpha_p * p, ROWS)
+    # y.y sent from registers (not under RELOAD, the launches of many tokens: slower there, docs/perf.md)
+    SENT: tl.constexpr = PHASE == 0 and CLUSTER and THREAD_SUMS and not RELOAD
     if (PHASE == 0 or PHASE == 2) and not SENT:
         lane = tl.full([1, 1, 1], YY, tl.int32)
         yy = tl.full([1, 1, 1], 0.0, tl.float32) + tl.sum(y * y, axis=0)  # y.y >= 0: adding +0.0 keeps its bits
