@@ -454,7 +454,7 @@ def _cluster_wait():
 # barrier, and reads all of them from its own shared memory once its own barrier has counted
 # every byte it expects: no fence and no cluster barrier between the sums (a release at cluster
 # scope waits for every store in flight, the prefix's to global memory included). y.y, one value
-# that every thread holds, is sent from registers instead (_exchange_value): nothing staged.
+# that every thread holds, is sent from registers instead but under RELOAD (_exchange_value).
 
 
 def _at_end(registers: str, body: str) -> tl.constexpr:
