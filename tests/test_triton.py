@@ -362,8 +362,9 @@ def test_cluster_configuration_sends_its_records_to_the_peers_barriers(tmp_path,
     (mbarrier, one per meeting) past Triton's shared memory (the launch asks for the exchange's
     bytes more), fences them for the cluster, then one relaxed arrival and wait lets the programs
     write into each other's shared memory; each sends its record to the peers with st.async
-    (indexed by thread: 6 peers x 18 lanes, one pass of 128 threads, then y.y) and
-    waits on its own barrier for their bytes; no cluster barrier with release or acquire (no
+    (indexed by thread: 6 peers x 18 lanes, one pass of 128 threads), then each warp's y.y (lanes
+    0 .. 6 of a warp to the 7 programs, its own included, after a butterfly over the warp's lanes)
+    and waits on its own barrier for their bytes; no cluster barrier with release or acquire (no
     fence waits for the prefix's stores), no atomic, no poll, no trap, no record in global memory;
     the launch names clusters of its C = 7 programs and has no counters; the interpreter's
     stages, none."""
@@ -371,17 +372,22 @@ def test_cluster_configuration_sends_its_records_to_the_peers_barriers(tmp_path,
     clustered = plan.make(16, 3, 8, 7168, **PRODUCTION, variant=variant, clusters=True)
     launch = clustered.launch
     assert launch.cluster == 7 and launch.grid == (7, 3) and dict(launch.constexprs)["CLUSTER"] is True
-    assert launch.exchange == 7 * (2 * 8 + 4) * 4 + 16  # the records (16-byte words), two barriers
-    assert clustered.arrivals_shape is None and clustered.stats_shape == (3, 7, 2 * 8 + 4)
+    # the records (16-byte words: 18 lanes, padding, then a y.y lane for each of the 4 warps), two barriers
+    assert dict(launch.constexprs)["YY_WARPS"] == 4 and dict(launch.constexprs)["RECORD"] == 20 + 4
+    assert launch.exchange == 7 * 24 * 4 + 16
+    assert clustered.arrivals_shape is None and clustered.stats_shape == (3, 7, 24)
     ptx = _compile_sm90(launch).asm["ptx"]
     assert ptx.count("mbarrier.init.shared::cta.b64") == 2 and ptx.count("mbarrier.arrive.expect_tx") == 2
     assert ptx.index("fence.mbarrier_init.release.cluster") < ptx.index("barrier.cluster.arrive.relaxed.aligned")
     assert ptx.count("barrier.cluster.arrive.relaxed.aligned") == 1 and ptx.count("barrier.cluster.wait.aligned") == 1
     assert ptx.count("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32") == sends
+    assert ptx.count("shfl.sync.bfly.b32 xt") == 5 and ptx.index("shfl.sync.bfly.b32 xt") < ptx.rindex("st.async")
     assert ptx.index("barrier.cluster.wait.aligned") < ptx.index("st.async.shared::cluster")
     assert "mbarrier.try_wait.parity.shared::cta.b64" in ptx and "mapa.shared::cluster.u32" in ptx
     assert "barrier.cluster.arrive.release" not in ptx and "wait.acquire" not in ptx and "st.shared::cluster" not in ptx
-    assert "%dynamic_smem_size" in ptx and "ld.shared.f32" in ptx and "membar" not in ptx and "fence.acq_rel" not in ptx
+    assert (
+        "%dynamic_smem_size" in ptx and "ld.shared.v4.f32" in ptx and "membar" not in ptx and "fence.acq_rel" not in ptx
+    )
     assert "atom." not in ptx and "trap;" not in ptx and "ld.global.cg" not in ptx and "st.global.b32" not in ptx
     counterpart = plan.make(16, 3, 8, 7168, **PRODUCTION, variant=variant.replace("-cluster", "")).launch
     assert counterpart.cluster == 0 and dict(counterpart.constexprs)["CLUSTER"] is False
@@ -807,8 +813,12 @@ def test_plan_shapes():
     for variant, chunks in (("sync-1024-w4-cluster", 7), ("sync-1024-w4", 7), ("sync-2048-w8", 4), ("sync-256-w1", 28)):
         constexprs = dict(plan.make(16, 3, 8, 7168, **PRODUCTION, variant=variant, clusters=True).launch.constexprs)
         assert constexprs["CHUNKS"] == chunks and constexprs["THREAD_SUMS"] is (chunks <= plan.THREAD_SUMS_MAX_CHUNKS)
-        # a record of whole 16-byte words where every thread reads it four lanes at a time
-        assert constexprs["RECORD"] == 2 * 8 + (4 if constexprs["THREAD_SUMS"] else 3)
+        # a record of whole 16-byte words where every thread reads it four lanes at a time (each warp's
+        # y.y from lane 20), one y.y lane where the tiles are reduced across the program
+        warps = int(variant.split("-w")[1][0])
+        thread_sums = constexprs["THREAD_SUMS"]
+        assert constexprs["YY_WARPS"] == (warps if thread_sums else 0)
+        assert constexprs["RECORD"] == (20 + (warps + 3) // 4 * 4 if thread_sums else 2 * 8 + 3)
     assert dict(plan.make(16, 3, 3, 7168, **PRODUCTION, variant="sync-512-w4").launch.constexprs)["ROWS"] == 4
     assert [dict(h.constexprs)["PHASE"] for h in sync.stages()] == [1, 2, 3]
     assert {h.grid for h in sync.stages()} == {whole.grid}

@@ -453,8 +453,9 @@ def _cluster_wait():
 # cluster (st.async at the peer's address, mapa), each store counting its bytes at the peer's
 # barrier, and reads all of them from its own shared memory once its own barrier has counted
 # every byte it expects: no fence and no cluster barrier between the sums (a release at cluster
-# scope waits for every store in flight, the prefix's to global memory included). y.y, one value
-# that every thread holds, is sent from registers instead but under RELOAD (_exchange_value).
+# scope waits for every store in flight, the prefix's to global memory included). With YY_WARPS
+# each warp's y.y is sent from registers instead, by lane k to program k, this one included
+# (_send_warp), into lanes of the records that the first meeting's reads never reach.
 
 
 def _at_end(registers: str, body: str) -> tl.constexpr:
@@ -513,17 +514,18 @@ _SEND = _at_end(
         @xp st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [xr], xw, [xm];
         mov.u32 $0, 0;""",
 )
-_SEND_VALUE = _at_end(
-    ".reg .u32 xk, xq, xa, xr, xm; .reg .pred xp, xg;",
-    """mov.u32 xk, %tid.x;
-        setp.lt.u32 xp, xk, $2;
-        setp.ge.u32 xg, xk, $3;
-        selp.u32 xq, 1, 0, xg;
-        add.u32 xq, xk, xq;
-        add.u32 xa, xe, $4;
-        add.u32 xm, xe, $5;
-        @xp mapa.shared::cluster.u32 xr, xa, xq;
-        @xp mapa.shared::cluster.u32 xm, xm, xq;
+_SEND_WARP = _at_end(
+    ".reg .u32 xl, xw, xa, xr, xm; .reg .pred xp;",
+    """mov.u32 xl, %laneid;
+        mov.u32 xw, %tid.x;
+        shr.u32 xw, xw, 5;
+        shl.b32 xw, xw, 2;
+        setp.lt.u32 xp, xl, $2;
+        add.u32 xa, xe, $3;
+        add.u32 xa, xa, xw;
+        add.u32 xm, xe, $4;
+        @xp mapa.shared::cluster.u32 xr, xa, xl;
+        @xp mapa.shared::cluster.u32 xm, xm, xl;
         @xp st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [xr], $1, [xm];
         mov.u32 $0, 0;""",
 )
@@ -589,12 +591,13 @@ def _send(first, count, lanes, c, offset, bar):
 
 
 @triton.jit
-def _send_value(value, count, c, offset, bar):
-    """`value` (f32, the same in every thread) sent by thread k < `count` to byte `offset` from
-    the end of the cluster's program k + (k >= c), by st.async, whose 4 bytes complete that
-    program's barrier at `bar`: a scalar meeting, with nothing staged and no barrier first."""
-    args = [value, count, c, offset, bar]
-    return tl.inline_asm_elementwise(_SEND_VALUE, "=r,f,r,r,r,r", args, dtype=tl.int32, is_pure=False, pack=1)
+def _send_warp(value, count, offset, bar):
+    """`value` (f32, the same in every thread of a warp) sent by lane k < `count` of warp w to byte
+    `offset` + 4 w from the end of the cluster's program k (this one included), by st.async, whose 4
+    bytes complete that program's barrier at `bar`: a meeting of one value a warp, with nothing
+    staged and no barrier first."""
+    args = [value, count, offset, bar]
+    return tl.inline_asm_elementwise(_SEND_WARP, "=r,f,r,r,r", args, dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -621,29 +624,6 @@ def _wait_arrived(bar):
     done = _arrived(bar)
     while done == 0:
         done = _arrived(bar)
-
-
-@triton.jit
-def _exchange_value(value, c, bar, LANE: tl.constexpr, CHUNKS: tl.constexpr, RECORD: tl.constexpr):
-    """Lane LANE of every chunk's record added over the chunks in chunk order, in every thread,
-    where each program holds its own `value` (the same in every thread): sent from registers to
-    the cluster's other programs (_send_value), theirs read from this program's exchange once
-    they have arrived (the barrier at `bar`), its own never stored. The same values in the same
-    order as _lane_sums of the records: the same bits."""
-    _send_value(value, CHUNKS - 1 + 0 * c, c, (c * RECORD + LANE - CHUNKS * RECORD) * 4, bar + 0 * c)
-    _wait_arrived(bar + 0 * c)
-    total = _chunk_value(value, c, 0, LANE, CHUNKS, RECORD)
-    for k in tl.static_range(1, CHUNKS):
-        total = total + _chunk_value(value, c, k, LANE, CHUNKS, RECORD)
-    return total
-
-
-@triton.jit
-def _chunk_value(value, c, k: tl.constexpr, LANE: tl.constexpr, CHUNKS: tl.constexpr, RECORD: tl.constexpr):
-    """Chunk k's lane LANE: this program's own `value` where k is its chunk c, else the peer's
-    from this program's exchange."""
-    theirs = _exchange_get_masked((k * RECORD + LANE - CHUNKS * RECORD) * 4 + 0 * c, (c != k).to(tl.int32))
-    return tl.where(c == k, value, theirs)
 
 
 @triton.jit
@@ -696,6 +676,76 @@ def _lane_sums(stats, t, lane, N: tl.constexpr, CLUSTER: tl.constexpr, CHUNKS: t
             added = added + (sums[i] + more[i],)
         sums = added
     return sums
+
+
+_WARP_SUM = tl.constexpr(
+    "{ .reg .f32 xt;\n\t"
+    + "\n\t".join(
+        f"shfl.sync.bfly.b32 xt, {src}, {step}, 0x1f, 0xffffffff; add.rn.f32 $0, {src}, xt;"
+        for src, step in (("$1", 16), ("$0", 8), ("$0", 4), ("$0", 2), ("$0", 1))
+    )
+    + " }"
+)
+
+
+@triton.jit
+def _halve(h, WARPS: tl.constexpr, S: tl.constexpr):
+    """[WARPS, 2 S] -> [WARPS, S]: h[:, l] + h[:, l + S]."""
+    low, high = tl.split(tl.permute(tl.reshape(h, (WARPS, 2, S)), (0, 2, 1)))
+    return low + high
+
+
+@triton.jit
+def _warp_totals(y, LANES: tl.constexpr, WARPS: tl.constexpr, INTERPRETED: tl.constexpr):
+    """y.y of each warp's columns, in every thread of the warp: [32 * WARPS], thread i's element
+    (the [BLOCK] tile puts columns i * LANES .. i * LANES + LANES - 1 in thread i). A thread's
+    LANES squares are one chain of FMAs, then the warp's 32 values are added by a butterfly: lane l
+    adds lane l ^ 16's value, then l ^ 8's, 4, 2, 1 (shfl.sync.bfly). INTERPRETED (Triton's
+    interpreter, no PTX): each warp's values halved five times (value l + value (l + s), s = 16,
+    8, 4, 2, 1), the same adds, in the lanes above s with the operands swapped: the same bits."""
+    threads = tl.reshape(y, (32 * WARPS, LANES))
+    mine = _fma_lanes(threads, threads, 0.0, LANES)
+    if INTERPRETED:
+        h = _halve(tl.reshape(mine, (WARPS, 32)), WARPS, 16)
+        h = _halve(_halve(_halve(_halve(h, WARPS, 8), WARPS, 4), WARPS, 2), WARPS, 1)
+        return tl.reshape(tl.broadcast_to(h, (WARPS, 32)), (32 * WARPS,))
+    return tl.inline_asm_elementwise(_WARP_SUM, "=f,f", [mine], dtype=tl.float32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _tree_sum(values, N: tl.constexpr, LOG: tl.constexpr):
+    """values[0] + .. + values[N - 1] (a tuple, N = 2 ** LOG) as a balanced tree of adds, pairs of
+    neighbours first: LOG adds deep."""
+    for level in tl.static_range(LOG):
+        pairs = ()
+        for i in tl.static_range(0, N >> level, 2):
+            pairs = pairs + (values[i] + values[i + 1],)
+        values = pairs
+    return values[0]
+
+
+@triton.jit
+def _chunk_yy(stats, t, k: tl.constexpr, LANE: tl.constexpr, WARPS: tl.constexpr, CLUSTER: tl.constexpr,
+              CHUNKS: tl.constexpr, RECORD: tl.constexpr):  # fmt: skip
+    """Chunk k's y.y: lanes LANE .. LANE + WARPS - 1 of token t's record k, added as a tree."""
+    N: tl.constexpr = 4 if WARPS % 4 == 0 else (2 if WARPS % 2 == 0 else 1)
+    lanes = ()
+    for g in tl.static_range(0, WARPS, N):
+        lanes = lanes + _lanes(stats, t, k, LANE + g, N, CLUSTER, CHUNKS, RECORD)
+    return _tree_sum(lanes, WARPS, WARPS.bit_length() - 1)
+
+
+@triton.jit
+def _yy_total(stats, t, LANE: tl.constexpr, WARPS: tl.constexpr, CLUSTER: tl.constexpr, CHUNKS: tl.constexpr,
+              RECORD: tl.constexpr):  # fmt: skip
+    """y.y of token t from its CHUNKS records' lanes LANE .. LANE + WARPS - 1 (each warp's y.y,
+    _warp_totals; WARPS a power of two): each chunk's warps added as a tree, then the chunks in
+    chunk order, in every thread. Every program of the token, on either path, adds the same values
+    in the same order: the same bits."""
+    total = _chunk_yy(stats, t, 0, LANE, WARPS, CLUSTER, CHUNKS, RECORD)
+    for k in tl.static_range(1, CHUNKS):
+        total = total + _chunk_yy(stats, t, k, LANE, WARPS, CLUSTER, CHUNKS, RECORD)
+    return total
 
 
 @triton.jit
@@ -942,14 +992,16 @@ def sync_kernel(
     OWN: tl.constexpr,
     LANES: tl.constexpr,
     THREAD_SUMS: tl.constexpr,
+    YY_WARPS: tl.constexpr,
 ):
     """Grid (C, T): chunk c of token t, its blocks as a [ROWS, BLOCK] tile and its new prefix p
     held in registers throughout (RELOAD: the blocks read again after barrier 1 instead).
     `stats` holds a record of RECORD f32 lanes per chunk (plan.record_lanes): the blocks' dots
-    b_j.w (lanes j) and squares b_j.b_j (ROWS + j), p.w and p.p (2 * ROWS, 2 * ROWS + 1), y.y (2 * ROWS + 2), over
-    the chunk's columns (THREAD_SUMS: and one lane of padding); `arrivals` ([T, 2] int32) the
-    two barriers' arrival counters, zero at launch (and at exit). The weights need every chunk's dots and
-    squares (barrier 1), the output scale every chunk's y.y (barrier 2).
+    b_j.w (lanes j) and squares b_j.b_j (ROWS + j), p.w and p.p (2 * ROWS, 2 * ROWS + 1), y.y (2 * ROWS + 2;
+    YY_WARPS: one lane a warp from lane YYW), over the chunk's columns (THREAD_SUMS: padded to 16-byte
+    words); `arrivals` ([T, 2] int32) the two barriers' arrival counters, zero at launch (and at exit).
+    The weights need every chunk's dots and squares (barrier 1), the output scale every chunk's y.y
+    (barrier 2).
 
     PHASE 0 runs it all; PHASE 1, 2, 3 are its three stretches between the barriers as three
     launches, for Triton's interpreter (it runs one program after another, so cannot run a
@@ -967,8 +1019,11 @@ def sync_kernel(
     THREAD_SUMS (plan.thread_sums): after each meeting every thread adds the records' lanes over the
     chunks itself, in chunk order (_lane_sums), and computes the weights as scalars; else the
     records are reduced as tiles across the program's threads. Each is the same code on either
-    path (clusters or counters), so the two paths give the same bits; in a cluster with THREAD_SUMS
-    and not RELOAD y.y is sent from registers and added in the same order (_exchange_value)."""
+    path (clusters or counters), so the two paths give the same bits. YY_WARPS (plan.yy_warps: THREAD_SUMS
+    and not RELOAD; the number of warps, else 0): each warp's y.y a lane of the record (from lane YYW,
+    _warp_totals), sent from registers in a cluster (_send_warp) or stored by the warp's lane 0, and
+    every thread adds the C * YY_WARPS lanes itself (_yy_total): no reduction across the program's
+    warps before the second meeting."""
     if PHASE == 0 and PREFETCH:
         # Few programs in all, each waiting on its loads: every row it reads is asked of L2
         # first, before the PDL wait, so the lines come while the kernel ahead finishes (L2 holds
@@ -994,10 +1049,13 @@ def sync_kernel(
         tl_cuda.gdc_launch_dependents()
     BARS: tl.constexpr = -EXCHANGE  # the exchange's two transaction barriers, at its start
     YY: tl.constexpr = 2 * ROWS + 2  # y.y's lane: the first meeting sends the YY before it
+    YYW: tl.constexpr = (YY + 3) // 4 * 4  # YY_WARPS: the first of the warps' y.y lanes (plan.record_lanes)
     c = tl.program_id(0)
     if CLUSTER:
-        # the two meetings' bytes from the C - 1 peers: YY lanes, then y.y
-        _exchange_init(BARS + 0 * c, (CHUNKS - 1) * YY * 4 + 0 * c, (CHUNKS - 1) * 4 + 0 * c)
+        # the two meetings' bytes: YY lanes from the C - 1 peers, then y.y (YY_WARPS: a lane from every
+        # warp of the C programs, this one's included)
+        YY_BYTES: tl.constexpr = CHUNKS * YY_WARPS * 4 if YY_WARPS else (CHUNKS - 1) * 4
+        _exchange_init(BARS + 0 * c, (CHUNKS - 1) * YY * 4 + 0 * c, YY_BYTES + 0 * c)
         _cluster_arrive()
     t = tl.program_id(1).to(tl.int64)
     T = tl.num_programs(1).to(tl.int64)
@@ -1086,9 +1144,20 @@ def sync_kernel(
             else:
                 # a thread holds every block of its columns: one chain of FMAs over them
                 y = _fma_lanes(tl.permute(b, (1, 0)), alpha, alpha_p * p, ROWS)
-    # y.y sent from registers (not under RELOAD, the launches of many tokens: slower there, docs/perf.md)
-    SENT: tl.constexpr = PHASE == 0 and CLUSTER and THREAD_SUMS and not RELOAD
-    if (PHASE == 0 or PHASE == 2) and not SENT:
+    if YY_WARPS:
+        # each warp's y.y a lane of the record: no reduction across the program's warps, and in a
+        # cluster sent from registers, nothing staged and no barrier first
+        if PHASE == 0 or PHASE == 2:
+            warp_yy = _warp_totals(y, LANES, YY_WARPS, PHASE != 0)
+            if PHASE == 0 and CLUSTER:
+                _send_warp(warp_yy, CHUNKS + 0 * c, (c * RECORD + YYW - CHUNKS * RECORD) * 4 + 0 * c, BARS + 8 + 0 * c)
+                _wait_arrived(BARS + 8 + 0 * c)
+            else:
+                thread = tl.arange(0, 32 * YY_WARPS)
+                tl.store(record + YYW + thread // 32, warp_yy, mask=thread % 32 == 0)
+                if PHASE == 0:
+                    _arrive_and_wait(arrivals + 2 * t + 1, CHUNKS, POLLS)
+    elif PHASE == 0 or PHASE == 2:
         lane = tl.full([1, 1, 1], YY, tl.int32)
         yy = tl.full([1, 1, 1], 0.0, tl.float32) + tl.sum(y * y, axis=0)  # y.y >= 0: adding +0.0 keeps its bits
         _put_record(record, c, lane, yy, lane >= 0, CLUSTER, CHUNKS, RECORD)
@@ -1098,9 +1167,8 @@ def sync_kernel(
             else:
                 _arrive_and_wait(arrivals + 2 * t + 1, CHUNKS, POLLS)
     if PHASE == 0 or PHASE == 3:
-        if SENT:
-            # y.y, held by every thread after its reduction: no staging, no barrier before sending it
-            yy = _exchange_value(0.0 + tl.sum(y * y, axis=0), c, BARS + 8, YY, CHUNKS, RECORD)
+        if YY_WARPS:
+            yy = _yy_total(stats, t, YYW, YY_WARPS, CLUSTER, CHUNKS, RECORD)
         elif THREAD_SUMS:
             (yy,) = _lane_sums(stats, t, YY, 1, CLUSTER, CHUNKS, RECORD)
         else:

@@ -283,18 +283,29 @@ class Plan:
         )
 
 
-def record_lanes(rows: int, chunks: int) -> int:
+def record_lanes(rows: int, chunks: int, yy_warps: int = 0) -> int:
     """The f32 lanes of a sync program's record (kernel.sync_kernel): the blocks' dots and
-    squares (rows each, rows a power of two >= 2), p.w, p.p and y.y; where every thread adds the
-    records itself (thread_sums), one lane of padding, so that a record is a whole number of
-    16-byte words (the kernel reads its lanes four at a time)."""
+    squares (rows each, rows a power of two >= 2), p.w, p.p, then y.y: one lane, or (`yy_warps`,
+    the kernel's YY_WARPS) one lane per warp from the next 16-byte word. Where every thread adds
+    the records itself (thread_sums) a record is padded to a whole number of 16-byte words (the
+    kernel reads its lanes four at a time)."""
+    if yy_warps:
+        return (2 * rows + 2 + 3) // 4 * 4 + (yy_warps + 3) // 4 * 4
     return 2 * rows + (4 if thread_sums(chunks) else 3)
 
 
-def exchange_bytes(chunks: int, rows: int) -> int:
+def exchange_bytes(chunks: int, rows: int, yy_warps: int = 0) -> int:
     """The cluster's exchange (kernel.py): two 8-byte transaction barriers, then the C records,
     from a 16-byte boundary (the kernel addresses them from the end)."""
-    return (chunks * record_lanes(rows, chunks) * 4 + 15) // 16 * 16 + 16
+    return (chunks * record_lanes(rows, chunks, yy_warps) * 4 + 15) // 16 * 16 + 16
+
+
+def yy_warps(variant: Variant, chunks: int) -> int:
+    """The kernel's YY_WARPS: where every thread adds the records itself (thread_sums) and the
+    blocks stay in registers (not RELOAD), each warp's y.y is a lane of its own (the number of
+    warps), added over the chunks and warps in every thread, so that no reduction across the
+    program's warps precedes the second meeting; 0 elsewhere (one y.y lane a program)."""
+    return variant.num_warps if thread_sums(chunks) and not variant.reload else 0
 
 
 def thread_sums(chunks: int) -> bool:
@@ -358,8 +369,9 @@ def make(
     # the blocks' tile, >= 2 rows (the mix is a chain of FMAs over a thread's rows, kernel._fma_lanes)
     rows = max(2, _pow2(NB))
     span = dict(BLOCK=chosen.block, ROWS=rows, CHUNKS=chunks, SPAN=_pow2(chunks), THREAD_SUMS=thread_sums(chunks))
-    record = record_lanes(rows, chunks)
-    span |= dict(RECORD=record, EXCHANGE=exchange_bytes(chunks, rows) if chosen.cluster else 0)
+    warps = yy_warps(chosen, chunks)
+    record = record_lanes(rows, chunks, warps)
+    span |= dict(RECORD=record, YY_WARPS=warps, EXCHANGE=exchange_bytes(chunks, rows, warps) if chosen.cluster else 0)
     whole = dict(shared, **span, POLLS=SYNC_POLLS, PHASE=0, RELOAD=chosen.reload, PDL=bool(pdl), CLUSTER=chosen.cluster)
     whole |= dict(PREFETCH=T <= PREFETCH_MAX_T, LOADS_FIRST=loads_first(chosen, R, T, NB), LANES=lanes(chosen))
     kernel = dataclasses.replace(
