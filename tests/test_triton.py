@@ -818,7 +818,7 @@ def test_plan_shapes():
         assert constexprs["CHUNKS"] == chunks and constexprs["THREAD_SUMS"] is (chunks <= plan.THREAD_SUMS_MAX_CHUNKS)
         # a record of whole 16-byte words where every thread reads it four lanes at a time (each warp's
         # y.y from lane 20), one y.y lane where the tiles are reduced across the program
-        warps = int(variant.split("-w")[1][0])
+        warps = plan.VARIANTS[variant].num_warps
         thread_sums = constexprs["THREAD_SUMS"]
         assert constexprs["YY_WARPS"] == (warps if thread_sums else 0)
         assert constexprs["RECORD"] == (20 + (warps + 3) // 4 * 4 if thread_sums else 2 * 8 + 3)
