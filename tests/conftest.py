@@ -146,3 +146,31 @@ def worker_env(drop=("XLA_FLAGS", "JAX_NUM_CPU_DEVICES"), **values) -> dict:
     env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
     env.update(values)
     return env
+
+
+def pallas_lowered_for_h200(fn, config) -> str:
+    """The StableHLO text of jit(fn) lowered for CUDA on this machine, for an abstract H200:
+    fn takes (mailbox, prefix, blocks, norm, query, out_norm) of `config`'s shapes (bf16), and
+    the Pallas backend lowers its kernel (not the interpreter) as it would on the GPU."""
+    import unittest.mock
+
+    import jax.numpy as jnp
+
+    from oproj_jax.pallas import consumer as pallas_consumer
+
+    shapes = (
+        (config.R, config.T, config.H),
+        (config.T, config.H),
+        (config.T, config.NB, config.H),
+        (config.H,),
+        (config.H,),
+        (config.H,),
+    )
+    args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in shapes]
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
+    mesh = jax.sharding.AbstractMesh((), (), abstract_device=device)
+    with (
+        unittest.mock.patch.object(pallas_consumer, "_interpret", lambda *arrays: False),
+        jax.sharding.use_abstract_mesh(mesh),
+    ):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

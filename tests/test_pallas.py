@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-import unittest.mock
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +23,7 @@ import pytest
 import oproj_jax
 from oproj_jax import configs, reference, testing
 from oproj_jax.pallas import consumer as pallas_consumer
-from conftest import gpu_platform_reason
+from conftest import gpu_platform_reason, pallas_lowered_for_h200
 
 ARGS = ("mailbox", "prefix", "blocks", "norm", "query", "out_norm")
 EPS = dict(eps=0.5, out_eps=0.25)  # large against the sources' mean squares: a swapped eps shows
@@ -108,25 +107,6 @@ def test_split_must_be_a_cluster_the_kernel_takes():
 # ---- CUDA lowering on this CPU machine (abstract H200): the named kernel, and the in-place prefix.
 
 
-def _lower_for_h200(fn, config):
-    shapes = dict(
-        mailbox=(config.R, config.T, config.H),
-        prefix=(config.T, config.H),
-        blocks=(config.T, config.NB, config.H),
-        norm=(config.H,),
-        query=(config.H,),
-        out_norm=(config.H,),
-    )
-    args = [jax.ShapeDtypeStruct(shapes[k], jnp.bfloat16) for k in ARGS]
-    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
-    mesh = jax.sharding.AbstractMesh((), (), abstract_device=device)
-    with (
-        unittest.mock.patch.object(pallas_consumer, "_interpret", lambda *arrays: False),
-        jax.sharding.use_abstract_mesh(mesh),
-    ):
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
 @pytest.mark.parametrize("split", [1, 7])
 def test_lowers_for_cuda_with_the_named_kernel_and_the_prefix_as_an_output(split):
     config = configs.Config(16, 3, 8, xmoe_replicas=1)
@@ -134,7 +114,7 @@ def test_lowers_for_cuda_with_the_named_kernel_and_the_prefix_as_an_output(split
     def fn(*args):
         return pallas_consumer.consumer_with(*args, eps=1e-6, out_eps=1e-6, **config.options(), ring=4, split=split)
 
-    text = _lower_for_h200(fn, config)
+    text = pallas_lowered_for_h200(fn, config)
     calls = re.findall(r"stablehlo.custom_call @mosaic_gpu\w*\(", text)
     assert len(calls) == 1, calls
     assert pallas_consumer.KERNEL_NAME in text
@@ -155,10 +135,10 @@ def test_pdl_reaches_the_lowered_module(pdl):
         options = dict(eps=1e-6, out_eps=1e-6, **config.options())
         return pallas_consumer.consumer_with(*args, **options, ring=4, split=7, batch=16, pdl=pdl)
 
-    text = _lower_for_h200(fn, config)
+    text = pallas_lowered_for_h200(fn, config)
     assert ("mosaic_gpu.uses_pdl" in text) == pdl and ("griddepcontrol.wait" in text) == pdl
     assert pallas_consumer.PDL
-    default = _lower_for_h200(lambda *args: oproj_jax.consumer(*args, backend="pallas"), config)
+    default = pallas_lowered_for_h200(lambda *args: oproj_jax.consumer(*args, backend="pallas"), config)
     assert "mosaic_gpu.uses_pdl" in default
 
 
@@ -187,7 +167,7 @@ def test_default_choice_lowers_for_cuda():
     def fn(*args):
         return oproj_jax.consumer(*args, backend="pallas")
 
-    text = _lower_for_h200(fn, config)
+    text = pallas_lowered_for_h200(fn, config)
     assert pallas_consumer.KERNEL_NAME in text
 
 

@@ -9,9 +9,7 @@ shared-memory model per process, so eager interpreted calls from several threads
 from __future__ import annotations
 
 import threading
-import unittest.mock
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,27 +17,9 @@ import pytest
 import oproj_jax
 from oproj_jax import configs, testing
 from oproj_jax.pallas import consumer as pallas_consumer
+from conftest import pallas_lowered_for_h200
 
 ARGS = ("mailbox", "prefix", "blocks", "norm", "query", "out_norm")
-
-
-def _lower_for_h200(fn, config: configs.Config) -> str:
-    shapes = dict(
-        mailbox=(config.R, config.T, config.H),
-        prefix=(config.T, config.H),
-        blocks=(config.T, config.NB, config.H),
-        norm=(config.H,),
-        query=(config.H,),
-        out_norm=(config.H,),
-    )
-    args = [jax.ShapeDtypeStruct(shapes[k], jnp.bfloat16) for k in ARGS]
-    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", platform="gpu", num_cores=132)
-    mesh = jax.sharding.AbstractMesh((), (), abstract_device=device)
-    with (
-        unittest.mock.patch.object(pallas_consumer, "_interpret", lambda *arrays: False),
-        jax.sharding.use_abstract_mesh(mesh),
-    ):
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_r32_lowers_for_cuda_on_the_ring():
@@ -48,10 +28,10 @@ def test_r32_lowers_for_cuda_on_the_ring():
     token with a ring of slots, whose module lowers."""
     config = configs.Config(32, 1, 8)
     assert pallas_consumer.cluster_barriers(32, 8, True) == 41 > pallas_consumer.MAX_BARRIERS
-    text = _lower_for_h200(lambda *a: oproj_jax.consumer(*a, backend="pallas"), config)
+    text = pallas_lowered_for_h200(lambda *a: oproj_jax.consumer(*a, backend="pallas"), config)
     assert pallas_consumer.KERNEL_NAME in text and "1x28x256xbf16" in text  # split=1: a row of [1, 28, 256]
     # the largest rank count the cluster layout takes at NB = 8 still lowers as a cluster
-    text = _lower_for_h200(lambda *a: oproj_jax.consumer(*a, backend="pallas"), configs.Config(23, 1, 8))
+    text = pallas_lowered_for_h200(lambda *a: oproj_jax.consumer(*a, backend="pallas"), configs.Config(23, 1, 8))
     assert "7x4x256xbf16" in text
 
 
@@ -62,12 +42,12 @@ def test_a_cluster_over_the_barrier_limit_is_refused_up_front():
         return pallas_consumer.consumer_with(*args, **config.options(), ring=4, split=7, batch=16)
 
     with pytest.raises(ValueError) as info:
-        _lower_for_h200(fn, config)
+        pallas_lowered_for_h200(fn, config)
     message = str(info.value)
     assert message.startswith("split: a cluster keeps every row of a token resident, one barrier per row")
     assert "R + has_delta + NB = 41 rows" in message and "32 barriers" in message and "split=1" in message
     with pytest.raises(ValueError, match=r"ring: expected 1 <= ring <= 32"):
-        _lower_for_h200(lambda *a: pallas_consumer.consumer_with(*a, ring=33, split=1), configs.Config(2, 1, 1))
+        pallas_lowered_for_h200(lambda *a: pallas_consumer.consumer_with(*a, ring=33, split=1), configs.Config(2, 1, 1))
 
 
 def test_interpreted_calls_from_threads_take_turns():
