@@ -7,8 +7,6 @@ module; skipped with the reason where the CuTe DSL is not importable.
 from __future__ import annotations
 
 import json
-import re
-import shutil
 import struct
 import subprocess
 from pathlib import Path
@@ -16,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import dsl_missing_reason
+from cubin_elf import cuobjdump_sm, elf_arch, elf_symbols, register_count
 from oproj_jax.cute import manifest as M
 
 # (R, NB, has_delta, groups, xmoe_replicas, twoshot): production shape, an uneven split
@@ -53,92 +52,6 @@ def built_sm100(built):
     return out, M.load_manifest(out, "sm_100a")
 
 
-def _section_headers(data: bytes) -> list[tuple]:
-    """ELF64 section headers (name, type, flags, addr, offset, size, link, info, align, entsize)."""
-    assert data[:4] == b"\x7fELF" and data[4] == 2  # 64-bit ELF
-    (shoff,) = struct.unpack_from("<Q", data, 0x28)
-    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
-    return [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
-
-
-def _c_string(data: bytes, start: int) -> bytes:
-    return data[start : data.index(b"\0", start)]
-
-
-def _elf_symbols(data: bytes) -> set[bytes]:
-    """Names in the ELF64 .symtab of a cubin (parsed here, independent of the builder)."""
-    sections = _section_headers(data)
-    names = set()
-    for sh in sections:
-        if sh[1] == 2:  # SHT_SYMTAB
-            strtab = sections[sh[6]]
-            for off in range(sh[4], sh[4] + sh[5], sh[9]):
-                names.add(_c_string(data, strtab[4] + struct.unpack_from("<I", data, off)[0]))
-    return names
-
-
-def _elf_sections(data: bytes) -> dict[str, bytes]:
-    """Section name -> contents."""
-    sections = _section_headers(data)
-    names = sections[struct.unpack_from("<H", data, 0x3E)[0]]  # e_shstrndx
-    return {_c_string(data, names[4] + sh[0]).decode(): data[sh[4] : sh[4] + sh[5]] for sh in sections}
-
-
-CUDA_OSABI = (0x33, 0x41)  # e_ident[EI_OSABI] of CUDA cubins (ELF ABI versions 7 and 8)
-
-
-def _elf_arch(data: bytes) -> str:
-    """The arch a cubin is built for, read from the ELF itself (parsed here, independent of the
-    builder and of any CUDA tool): the SM number from the header's e_flags (CUDA ELF ABI version
-    8 and later, e_ident[EI_ABIVERSION]: bits 8..15; before: bits 0..7), and the arch-specific
-    suffix ("a") from the ptxas command line that the .note.nv.tkinfo note records ("-arch
-    sm_90a"): e_flags is the same for sm_90 and sm_90a."""
-    assert data[:4] == b"\x7fELF" and data[4] == 2 and data[7] in CUDA_OSABI, data[:16].hex()
-    (flags,) = struct.unpack_from("<I", data, 0x30)
-    sm = (flags >> 8) & 0xFF if data[8] >= 8 else flags & 0xFF
-    (arch,) = re.findall(rb"-arch (sm_\d+[af]?)\b", _elf_sections(data)[".note.nv.tkinfo"])
-    arch = arch.decode()
-    assert re.fullmatch(rf"sm_{sm}[af]?", arch), (arch, hex(flags))  # the header and the note agree
-    return arch
-
-
-def _cuobjdump() -> str | None:
-    """cuobjdump from a CUDA toolkit on PATH or the one triton ships, or None (CI has neither toolkit)."""
-    import importlib.util
-
-    found = shutil.which("cuobjdump")
-    spec = importlib.util.find_spec("triton")
-    if found is None and spec is not None and spec.origin:
-        bundled = Path(spec.origin).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-        found = str(bundled) if bundled.is_file() else None
-    return found
-
-
-def _cuobjdump_sm(path) -> str | None:
-    """The SM cuobjdump reads from a cubin's header ("sm_100"; it prints no "a"), None without it."""
-    tool = _cuobjdump()
-    if tool is None:
-        return None
-    done = subprocess.run([tool, "--dump-elf", str(path)], capture_output=True, text=True, check=True)
-    (sm,) = re.findall(r"\bsm=(\d+)\b", done.stdout.split(".section")[0])
-    return f"sm_{sm}"
-
-
-def _register_count(data: bytes) -> int:
-    """EIATTR_REGCOUNT (0x2f) from the cubin's .nv.info: what ptxas allocated per thread."""
-    info = _elf_sections(data)[".nv.info"]
-    i = 0
-    while i < len(info):
-        fmt, attr = info[i], info[i + 1]
-        if fmt != 4:  # the module-level .nv.info holds sized (EIFMT_SVAL) attributes only
-            break
-        (size,) = struct.unpack_from("<H", info, i + 2)
-        if attr == 0x2F:
-            return struct.unpack_from("<II", info, i + 4)[1]
-        i += 4 + size
-    raise AssertionError("no EIATTR_REGCOUNT in .nv.info")
-
-
 def test_manifest_lists_every_key_once_as_the_folded_build(built):
     out, manifest = built
     assert manifest["arch"] == "sm_90a" and manifest["H"] == 7168
@@ -156,7 +69,7 @@ def test_cubin_is_elf_with_the_manifest_entry(built, key):
     assert entry is not None
     data = M.cubin_path(manifest, entry).read_bytes()
     assert data[:4] == b"\x7fELF"
-    assert entry["entry"].encode() in _elf_symbols(data)
+    assert entry["entry"].encode() in elf_symbols(data)
 
 
 @pytest.mark.parametrize("key", KEYS, ids=M.describe)
@@ -164,7 +77,7 @@ def test_no_launch_bound_and_a_register_count_ptxas_allows(built, key):
     _, manifest = built
     entry = M.find(manifest, key)
     assert entry["min_ctas"] == 0
-    assert _register_count(M.cubin_path(manifest, entry).read_bytes()) <= 255
+    assert register_count(M.cubin_path(manifest, entry).read_bytes()) <= 255
 
 
 def test_each_arch_is_built_into_its_place_with_the_same_entries(built, built_sm100):
@@ -182,7 +95,7 @@ def test_each_arch_is_built_into_its_place_with_the_same_entries(built, built_sm
         for field in ("cubin", "entry", "params", "block", "cluster", "dynamic_smem_bytes", "min_ctas", "fold"):
             assert a[field] == b[field], (field, M.describe(key))
         assert a["sha256"] != b["sha256"]
-        assert _register_count(M.cubin_path(sm100, b).read_bytes()) <= 255
+        assert register_count(M.cubin_path(sm100, b).read_bytes()) <= 255
     assert (
         sm100["publish"]["entry"] == sm90["publish"]["entry"]
         and sm100["publish"]["params"] == sm90["publish"]["params"]
@@ -196,8 +109,8 @@ def test_each_cubin_carries_its_arch(built, built_sm100):
     for _, manifest in (built, built_sm100):
         for entry in manifest["kernels"] + [manifest["publish"]]:
             path = M.cubin_path(manifest, entry)
-            assert _elf_arch(path.read_bytes()) == manifest["arch"], path
-            assert _cuobjdump_sm(path) in (None, manifest["arch"].removesuffix("a")), path
+            assert elf_arch(path.read_bytes()) == manifest["arch"], path
+            assert cuobjdump_sm(path) in (None, manifest["arch"].removesuffix("a")), path
 
 
 @pytest.mark.parametrize("arch", list(M.ARCHS))
@@ -212,32 +125,38 @@ def test_the_built_cubins_carry_their_arch(arch):
     assert len(sample) > 1
     for entry in sample:
         path = M.verified_cubin_path(manifest, entry)
-        assert _elf_arch(path.read_bytes()) == arch, path
-        assert _cuobjdump_sm(path) in (None, arch.removesuffix("a")), path
+        assert elf_arch(path.read_bytes()) == arch, path
+        assert cuobjdump_sm(path) in (None, arch.removesuffix("a")), path
 
 
 def test_the_elf_arch_parser_reads_the_header_and_the_note():
-    """_elf_arch on a made-up ELF: e_flags of ABI version 8 (sm_100 in bits 8..15), the ptxas
-    command line in .note.nv.tkinfo; a header and a note that disagree fail."""
+    """elf_arch on a made-up ELF: e_flags of ABI version 8 (sm_100 in bits 8..15), the ptxas
+    command line in .note.nv.tkinfo; a header and a note that disagree fail; ABI version 7 (the SM
+    in bits 0..7) without the note below sm_90, and not from sm_90 on (its "a" would be unknown)."""
 
-    def elf(flags: int, note: bytes) -> bytes:
-        names = b"\0.shstrtab\0.note.nv.tkinfo\0"
+    def elf(flags: int, note: bytes | None, version: int = 8) -> bytes:
+        names = b"\0.shstrtab\0" + (b"" if note is None else b".note.nv.tkinfo\0")
         header = bytearray(64)
-        header[:9] = b"\x7fELF\x02\x01\x01\x41\x08"
-        body = names + note
+        header[:9] = b"\x7fELF\x02\x01\x01" + bytes([0x41 if version >= 8 else 0x33, version])
+        body = names + (note or b"")
         shoff = 64 + len(body)
         struct.pack_into("<I", header, 0x30, flags)
         struct.pack_into("<Q", header, 0x28, shoff)
-        struct.pack_into("<HHH", header, 0x3A, 64, 3, 1)  # e_shentsize, e_shnum, e_shstrndx
+        struct.pack_into("<HHH", header, 0x3A, 64, 2 if note is None else 3, 1)  # e_shentsize, e_shnum, e_shstrndx
         sections = bytes(64)  # the null section
         sections += struct.pack("<IIQQQQIIQQ", 1, 3, 0, 0, 64, len(names), 0, 0, 1, 0)
-        sections += struct.pack("<IIQQQQIIQQ", 11, 7, 0, 0, 64 + len(names), len(note), 0, 0, 4, 0)
+        if note is not None:
+            sections += struct.pack("<IIQQQQIIQQ", 11, 7, 0, 0, 64 + len(names), len(note), 0, 0, 4, 0)
         return bytes(header) + body + sections
 
-    assert _elf_arch(elf(0x6006402, b"ptxas -O 3 -arch sm_100a ")) == "sm_100a"
-    assert _elf_arch(elf(0x6005A04, b"ptxas -O 3 -arch sm_90a ")) == "sm_90a"
+    assert elf_arch(elf(0x6006402, b"ptxas -O 3 -arch sm_100a ")) == "sm_100a"
+    assert elf_arch(elf(0x6005A04, b"ptxas -O 3 -arch sm_90a ")) == "sm_90a"
     with pytest.raises(AssertionError):
-        _elf_arch(elf(0x6005A04, b"ptxas -O 3 -arch sm_100a "))
+        elf_arch(elf(0x6005A04, b"ptxas -O 3 -arch sm_100a "))
+    assert elf_arch(elf(0x500550, None, version=7)) == "sm_80"
+    assert elf_arch(elf(0x590559, None, version=7)) == "sm_89"
+    with pytest.raises(AssertionError):
+        elf_arch(elf(0x5A055A, None, version=7))
 
 
 def test_the_arch_layout():
@@ -434,7 +353,6 @@ def test_env_dir_overrides_the_package_dir(monkeypatch, tmp_path):
 
 
 def test_importing_the_package_does_not_import_the_dsl():
-    import subprocess
     import sys
 
     code = "import sys, oproj_jax.cute, oproj_jax.cute.manifest; print('cutlass' in sys.modules)"
@@ -452,4 +370,4 @@ def test_trace_build_adds_timers_and_leaves_the_shipped_kernel_alone(built):
     traced = build.compile_variant(key, M.FOLDED, trace=True)["cubin_bytes"]
     shipped = (out / M.find(manifest, key)["cubin"]).read_bytes()
     assert build.compile_variant(key, M.FOLDED)["cubin_bytes"] == shipped
-    assert traced != shipped and _elf_symbols(traced) == _elf_symbols(shipped)
+    assert traced != shipped and elf_symbols(traced) == elf_symbols(shipped)

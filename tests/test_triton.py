@@ -14,7 +14,8 @@ argument errors. The GPU runs are tests/test_triton_gpu.py.
     package's FFI target and through jax_triton (jax_triton=True: its custom call, jax_triton
     compiling the PTX for sm_90 here; the CUDA plugin's kernel-call objects, absent from a CPU
     jaxlib, are stand-ins), the prefix operand aliased to output 0 (and donated). Under vmap: a
-    loop of calls.
+    loop of calls. For the other GPUs the backend serves (sm_80, 86, 89, 100, 120) the package's
+    target on arrival counters, a cubin of the device's arch.
   * the plan (the default rule, shapes, refusals), the PyTorch entry's argument errors,
     testing.spread_tokens, and benchmarks/triton_gpu.py as far as it runs without a GPU.
 """
@@ -45,7 +46,8 @@ import pytest
 pytest.importorskip("triton", reason="the triton extra is not installed")
 
 from conftest import benchmark_script, inplace_pairs, launch_attributes, worker_env
-from oproj_jax import configs, testing
+from cubin_elf import elf_arch
+from oproj_jax import api, configs, testing
 from oproj_jax.configs import Config
 from oproj_jax import launch as ffi_launch
 from oproj_jax.triton import plan
@@ -521,7 +523,7 @@ def cuda_triton_stand_ins(monkeypatch, tmp_path):
     return compiled
 
 
-def _lowered(variant, T, *, jax_triton=False, vmap=False, own=None, stream_capture=False):
+def _lowered(variant, T, *, jax_triton=False, vmap=False, own=None, stream_capture=False, cc=90):
     from oproj_jax.triton import backend
 
     R, NB, H = 16, 8, 7168
@@ -533,7 +535,7 @@ def _lowered(variant, T, *, jax_triton=False, vmap=False, own=None, stream_captu
     def step(*arrays):
         partial = dict(partial=arrays[6], rank=own) if own is not None else {}
         return backend.launch(
-            *arrays[:6], **partial, **PRODUCTION, variant=variant, compute_capability=90, jax_triton=jax_triton,
+            *arrays[:6], **partial, **PRODUCTION, variant=variant, compute_capability=cc, jax_triton=jax_triton,
             stream_capture=stream_capture,
         )  # fmt: skip
 
@@ -658,6 +660,34 @@ def test_library_lowering_names_a_stored_cubin_and_its_parameters(library_cache,
         assert f"output_tuple_indices = [{len(results) - 1}], operand_index = {n_arrays}," in text
     else:
         assert inplace_pairs(call) == []
+
+
+# The GPUs other than sm_90 that the Triton backend serves (api.TRITON_MIN_CAPABILITY on), each with the arch
+# Triton compiles for: A100, A10 / RTX 30xx, L40S / RTX 40xx, B200, RTX 50xx.
+OTHER_ARCHS = {80: "sm_80", 86: "sm_86", 89: "sm_89", 100: "sm_100a", 120: "sm_120a"}
+
+
+@pytest.mark.parametrize("cc", sorted(OTHER_ARCHS))
+def test_library_lowering_compiles_for_every_other_arch_it_serves(library_cache, cc):
+    """Off sm_90 the package's target launches the sync kernel on arrival counters (no clusters:
+    plan.CLUSTER_CAPABILITIES), with PDL from sm_90 on, compiled for the device's own arch: at T =
+    1 and at T = 4096 (RELOAD), a cubin for that arch (read from its ELF header and ptxas's note),
+    so no sm_90-only instruction (st.async, mbarrier transactions, mapa) is left in that path."""
+    assert divmod(cc, 10) >= api.TRITON_MIN_CAPABILITY and cc not in plan.CLUSTER_CAPABILITIES
+    for T in (1, 4096):
+        text = _lowered(None, T, cc=cc)
+        ((name, operands),) = LIBRARY_CALL.findall(text)
+        call = next(line for line in text.splitlines() if f"stablehlo.custom_call @{name}(" in line)
+        attrs = launch_attributes(call)
+        launch = plan.make(16, T, 8, 7168, **PRODUCTION).launch  # clusters=False: the counters' configuration
+        assert attrs["entry"] == launch.kernel == "sync_kernel"
+        assert dict(launch.constexprs)["RELOAD"] is (T > 64)
+        assert attrs["block"] == (32 * launch.num_warps, 1, 1) and attrs["grid"] == (*launch.grid, 1, 1)[:3]
+        assert attrs["cluster"] == (0, 0, 0) and attrs["pdl"] is (cc >= plan.PDL_MIN_CAPABILITY)
+        n_arrays = operands.count("%") - 1  # the counters' zeros operand last
+        results = len(attrs["params"]) - n_arrays - 2  # Triton's two null pointers last
+        assert inplace_pairs(call) == [(n_arrays, results - 1)], "the counters: the zeros operand, read in place"
+        assert elf_arch(pathlib.Path(attrs["cubin"]).read_bytes()) == OTHER_ARCHS[cc]
 
 
 @pytest.mark.parametrize(("variant", "T"), [(None, 1), ("row-w16", 3), ("sync-1024-w4-reload-r64", 80)])
