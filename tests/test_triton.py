@@ -671,8 +671,9 @@ OTHER_ARCHS = {80: "sm_80", 86: "sm_86", 89: "sm_89", 100: "sm_100a", 120: "sm_1
 def test_library_lowering_compiles_for_every_other_arch_it_serves(library_cache, cc):
     """Off sm_90 the package's target launches the sync kernel on arrival counters (no clusters:
     plan.CLUSTER_CAPABILITIES), with PDL from sm_90 on, compiled for the device's own arch: at T =
-    1 and at T = 4096 (RELOAD), a cubin for that arch (read from its ELF header and ptxas's note),
-    so no sm_90-only instruction (st.async, mbarrier transactions, mapa) is left in that path."""
+    1 and at T = 4096 (RELOAD), a cubin for that arch (read from its ELF header and, from sm_100 on,
+    ptxas's note), so no sm_90-only instruction (st.async, mbarrier transactions, mapa) is left in
+    that path."""
     assert divmod(cc, 10) >= api.TRITON_MIN_CAPABILITY and cc not in plan.CLUSTER_CAPABILITIES
     for T in (1, 4096):
         text = _lowered(None, T, cc=cc)
